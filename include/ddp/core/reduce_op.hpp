@@ -1,0 +1,95 @@
+#pragma once
+// Reduce operations as function objects.
+//
+// A backend either maps an op to a native one through its `kind` (NCCL's ncclSum,
+// MPI's MPI_SUM) or applies it elementwise with operator(). `avg` combines like `sum`;
+// its finish() divides by the number of contributions once, at the end.
+
+#include <algorithm>
+#include <concepts>
+#include <string_view>
+
+#include "ddp/core/dtype.hpp"
+
+namespace ddp {
+
+enum class reduce_kind : std::uint8_t { sum, avg, min, max, prod };
+
+constexpr std::string_view to_string(reduce_kind k) noexcept {
+  switch (k) {
+    case reduce_kind::sum: return "sum";
+    case reduce_kind::avg: return "avg";
+    case reduce_kind::min: return "min";
+    case reduce_kind::max: return "max";
+    case reduce_kind::prod: return "prod";
+  }
+  return "unknown";
+}
+
+namespace detail {
+// Combines in the accumulation type and finishes as identity, so only avg overrides finish().
+template <reduce_kind K>
+struct reduce_op_base {
+  static constexpr reduce_kind kind = K;
+  static constexpr std::string_view name = to_string(K);
+  template <class T>
+  constexpr T finish(T value, int /*contributions*/) const noexcept {
+    return value;
+  }
+};
+}  // namespace detail
+
+struct sum : detail::reduce_op_base<reduce_kind::sum> {
+  template <class T>
+  constexpr T operator()(T a, T b) const noexcept { return static_cast<T>(a + b); }
+};
+
+struct avg : detail::reduce_op_base<reduce_kind::avg> {
+  template <class T>
+  constexpr T operator()(T a, T b) const noexcept { return static_cast<T>(a + b); }
+  /// Integers divide with truncation toward zero, like torch's integer division of a sum.
+  template <class T>
+  constexpr T finish(T value, int contributions) const noexcept { return static_cast<T>(value / static_cast<T>(contributions)); }
+};
+
+struct min : detail::reduce_op_base<reduce_kind::min> {
+  template <class T>
+  constexpr T operator()(T a, T b) const noexcept { return b < a ? b : a; }
+};
+
+struct max : detail::reduce_op_base<reduce_kind::max> {
+  template <class T>
+  constexpr T operator()(T a, T b) const noexcept { return a < b ? b : a; }
+};
+
+struct prod : detail::reduce_op_base<reduce_kind::prod> {
+  template <class T>
+  constexpr T operator()(T a, T b) const noexcept { return static_cast<T>(a * b); }
+};
+
+/// A reduce operation: a function object with a kind, usable on every dtype's accumulation type.
+template <class Op>
+concept reduce_op = requires(const Op& op, float f, double d, std::int32_t i, std::int64_t l, std::uint8_t u) {
+  { Op::kind } -> std::convertible_to<reduce_kind>;
+  { op(f, f) } -> std::convertible_to<float>;
+  { op(d, d) } -> std::convertible_to<double>;
+  { op(i, i) } -> std::convertible_to<std::int32_t>;
+  { op(l, l) } -> std::convertible_to<std::int64_t>;
+  { op(u, u) } -> std::convertible_to<std::uint8_t>;
+  { op.finish(f, 2) } -> std::convertible_to<float>;
+};
+
+/// Runtime dispatch from a kind to the function object.
+template <class F>
+constexpr decltype(auto) visit_reduce_kind(reduce_kind k, F&& f) {
+  switch (k) {
+    case reduce_kind::sum: return f(sum{});
+    case reduce_kind::avg: return f(avg{});
+    case reduce_kind::min: return f(min{});
+    case reduce_kind::max: return f(max{});
+    case reduce_kind::prod: break;
+  }
+  return f(prod{});
+}
+
+}  // namespace ddp
