@@ -1,0 +1,146 @@
+#pragma once
+// The fingerprint of one collective call: (sequence, op, dtype, count, root, reduce op).
+//
+// It travels with the messages of every collective, so ranks that call different
+// collectives at the same sequence number are told so on every rank (errc::mismatch,
+// both calls described) instead of hanging or exchanging garbage.
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "ddp/core/dtype.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/core/reduce_op.hpp"
+
+namespace ddp {
+
+enum class collective : std::uint8_t {
+  all_reduce = 1, broadcast, reduce, all_gather, reduce_scatter, all_to_all, barrier, send, recv, gather, scatter
+};
+
+constexpr std::string_view to_string(collective c) noexcept {
+  switch (c) {
+    case collective::all_reduce: return "all_reduce";
+    case collective::broadcast: return "broadcast";
+    case collective::reduce: return "reduce";
+    case collective::all_gather: return "all_gather";
+    case collective::reduce_scatter: return "reduce_scatter";
+    case collective::all_to_all: return "all_to_all";
+    case collective::barrier: return "barrier";
+    case collective::send: return "send";
+    case collective::recv: return "recv";
+    case collective::gather: return "gather";
+    case collective::scatter: return "scatter";
+  }
+  return "unknown";
+}
+
+/// What a rank is calling. `count` is the per-rank element count the call was given
+/// (for all_gather / reduce_scatter: the count of the per-rank slice).
+struct collective_desc {
+  std::uint64_t seq = 0;
+  collective op = collective::barrier;
+  dtype type = dtype::uint8;
+  reduce_kind reduction = reduce_kind::sum;  // meaningful for all_reduce, reduce, reduce_scatter
+  std::int32_t root = -1;                    // meaningful for broadcast, reduce, gather, scatter
+  std::uint64_t count = 0;
+
+  constexpr bool has_reduction() const noexcept {
+    return op == collective::all_reduce || op == collective::reduce || op == collective::reduce_scatter;
+  }
+  constexpr bool has_root() const noexcept {
+    return op == collective::broadcast || op == collective::reduce || op == collective::gather || op == collective::scatter;
+  }
+
+  /// e.g. "float32 x 1024, sum" or "int64 x 8, root 0": the detail part of an error message.
+  std::string detail() const {
+    std::string s = std::string(to_string(type)) + " x " + std::to_string(count);
+    if (has_reduction()) s += ", " + std::string(to_string(reduction));
+    if (has_root()) s += ", root " + std::to_string(root);
+    return s;
+  }
+  /// e.g. "all_reduce #17 (float32 x 1024, sum)".
+  std::string describe() const { return std::string(to_string(op)) + " #" + std::to_string(seq) + " (" + detail() + ")"; }
+
+  error_context context(int rank) const { return {.rank = rank, .op = std::string(to_string(op)), .seq = seq, .detail = detail()}; }
+
+  friend constexpr bool operator==(const collective_desc&, const collective_desc&) = default;
+};
+
+/// A fixed 32-byte, little-endian wire form of collective_desc, with a magic so garbage is recognized.
+struct wire_header {
+  static constexpr std::uint32_t magic_value = 0x44445043;  // "CPDD"
+  static constexpr std::size_t size = 32;
+  unsigned char bytes[size] = {};
+
+  static wire_header encode(const collective_desc& d) noexcept {
+    wire_header h;
+    put32(h.bytes + 0, magic_value);
+    h.bytes[4] = static_cast<unsigned char>(d.op);
+    h.bytes[5] = static_cast<unsigned char>(d.type);
+    h.bytes[6] = static_cast<unsigned char>(d.reduction);
+    h.bytes[7] = 0;
+    put64(h.bytes + 8, d.seq);
+    put64(h.bytes + 16, d.count);
+    put32(h.bytes + 24, static_cast<std::uint32_t>(d.root));
+    put32(h.bytes + 28, 0);
+    return h;
+  }
+  bool has_magic() const noexcept { return get32(bytes + 0) == magic_value; }
+  collective_desc decode() const noexcept {
+    collective_desc d;
+    d.op = static_cast<collective>(bytes[4]);
+    d.type = static_cast<dtype>(bytes[5]);
+    d.reduction = static_cast<reduce_kind>(bytes[6]);
+    d.seq = get64(bytes + 8);
+    d.count = get64(bytes + 16);
+    d.root = static_cast<std::int32_t>(get32(bytes + 24));
+    return d;
+  }
+
+ private:
+  static void put32(unsigned char* p, std::uint32_t v) noexcept {
+    for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  }
+  static void put64(unsigned char* p, std::uint64_t v) noexcept {
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  }
+  static std::uint32_t get32(const unsigned char* p) noexcept {
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(p[i]) << (8 * i);
+    return v;
+  }
+  static std::uint64_t get64(const unsigned char* p) noexcept {
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
+    return v;
+  }
+};
+
+/// Compares this rank's call with what a peer announced; on any difference throws
+/// errc::mismatch describing both calls, e.g.
+///   "mismatched collectives: this rank called all_reduce #3 (float32 x 1024, sum), rank 1 called broadcast #3 (int64 x 8, root 0)"
+/// Only the fields that matter for the op are compared (root for rooted ops, reduction for reducing ops).
+inline void check_same_collective(const collective_desc& mine, const collective_desc& theirs, int my_rank, int peer) {
+  bool same = mine.seq == theirs.seq && mine.op == theirs.op && mine.type == theirs.type && mine.count == theirs.count;
+  if (same && mine.has_reduction()) same = mine.reduction == theirs.reduction;
+  if (same && mine.has_root()) same = mine.root == theirs.root;
+  if (same) return;
+  throw error(errc::mismatch,
+              "mismatched collectives: this rank called " + mine.describe() + ", rank " + std::to_string(peer) + " called " +
+                  theirs.describe(),
+              mine.context(my_rank));
+}
+
+/// Decodes a header received from `peer` and checks it; a header without the magic is garbage on the wire.
+inline void check_header(const wire_header& received, const collective_desc& mine, int my_rank, int peer) {
+  if (!received.has_magic()) {
+    throw error(errc::mismatch, "rank " + std::to_string(peer) + " sent data that is not a ddp collective header (garbage on the connection, or a different ddp version)",
+                mine.context(my_rank));
+  }
+  check_same_collective(mine, received.decode(), my_rank, peer);
+}
+
+}  // namespace ddp
