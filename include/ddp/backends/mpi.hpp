@@ -1,0 +1,389 @@
+#pragma once
+// ddp::mpi_backend: collectives through MPI (host memory), modelling ddp::backend.
+//
+// - dtypes map to MPI datatypes; float16/bfloat16 are reduced in float32 (converted in a
+//   scratch buffer), so every MPI implementation works without user-defined ops;
+// - ops map to MPI_SUM/PROD/MIN/MAX; avg is a sum divided once at the end;
+// - every call is nonblocking MPI (MPI_Iallreduce, ...) polled with MPI_Test, so the
+//   deadline is honoured and abort() unblocks a waiter (MPI cannot cancel a collective:
+//   after a timeout or abort the communicator is unusable, as with NCCL);
+// - with check_collectives (the default) each call first agrees on the collective's
+//   fingerprint with one 16-byte MPI_Allreduce, so ranks that call different collectives
+//   get errc::mismatch describing both calls instead of undefined behaviour;
+// - MPI errors are returned (MPI_ERRORS_RETURN) and become ddp::error(errc::mpi) with
+//   MPI_Error_string's text and the native code.
+//
+// Thread use: process_group issues every call from its one communication thread, so MPI is
+// initialised with MPI_THREAD_SERIALIZED (mpi_environment).
+
+#if !defined(DDP_HAS_MPI) && !defined(DDP_MPI_STANDALONE)
+#error "<ddp/backends/mpi.hpp> needs MPI: link the CMake target ddp::mpi (found with find_package(MPI))"
+#endif
+
+#include <mpi.h>
+#include <sched.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ddp/core/collective.hpp"
+#include "ddp/core/concepts.hpp"
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/dtype.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/core/reduce_op.hpp"
+
+namespace ddp {
+
+namespace detail {
+
+inline std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+inline void mpi_check(int code, const char* call, const error_context& context = {}) {
+  if (code == MPI_SUCCESS) return;
+  error_context c = context;
+  c.backend_code = code;
+  throw error(errc::mpi, std::string(call) + " failed: " + mpi_error_text(code), std::move(c));
+}
+
+template <class T>
+MPI_Datatype mpi_datatype() {
+  using U = accumulate_t<T>;
+  if constexpr (std::is_same_v<U, float>) return MPI_FLOAT;
+  else if constexpr (std::is_same_v<U, double>) return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<U, std::int32_t>) return MPI_INT32_T;
+  else if constexpr (std::is_same_v<U, std::int64_t>) return MPI_INT64_T;
+  else return MPI_UINT8_T;
+}
+
+template <reduce_op Op>
+MPI_Op mpi_op() {
+  switch (Op::kind) {
+    case reduce_kind::sum:
+    case reduce_kind::avg: return MPI_SUM;
+    case reduce_kind::min: return MPI_MIN;
+    case reduce_kind::max: return MPI_MAX;
+    case reduce_kind::prod: break;
+  }
+  return MPI_PROD;
+}
+
+}  // namespace detail
+
+/// Initialises MPI (MPI_THREAD_SERIALIZED) unless it already is, and finalises it on
+/// destruction if it initialised it. Keep one alive for as long as MPI backends are used.
+class mpi_environment {
+ public:
+  mpi_environment() : mpi_environment(nullptr, nullptr) {}
+  mpi_environment(int* argc, char*** argv) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) return;
+    int provided = 0;
+    detail::mpi_check(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    owner_ = true;
+    if (provided < MPI_THREAD_SERIALIZED) {
+      throw error(errc::mpi, "the MPI library provides thread level " + std::to_string(provided) +
+                                 ", ddp needs MPI_THREAD_SERIALIZED (collectives run on a communication thread)");
+    }
+  }
+  mpi_environment(const mpi_environment&) = delete;
+  mpi_environment& operator=(const mpi_environment&) = delete;
+  ~mpi_environment() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owner_ && !finalized) MPI_Finalize();
+  }
+
+ private:
+  bool owner_ = false;
+};
+
+struct mpi_options {
+  bool check_collectives = true;  // agree on each call's fingerprint first (one tiny all-reduce)
+};
+
+class mpi_backend {
+ public:
+  static constexpr memory_space memory = memory_space::host;
+
+  /// Works on a duplicate of `comm`, so its traffic never mixes with the user's.
+  explicit mpi_backend(MPI_Comm comm = MPI_COMM_WORLD, mpi_options options = {}) : options_(options) {
+    detail::mpi_check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  mpi_backend(const mpi_backend&) = delete;
+  mpi_backend& operator=(const mpi_backend&) = delete;
+  mpi_backend(mpi_backend&& other) noexcept
+      : comm_(std::exchange(other.comm_, MPI_COMM_NULL)), rank_(other.rank_), size_(other.size_), options_(other.options_),
+        seq_(other.seq_) {}
+  ~mpi_backend() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (comm_ != MPI_COMM_NULL && !finalized && !aborted_.load()) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  MPI_Comm communicator() const noexcept { return comm_; }
+
+  // --- the plain backend interface (sequence and deadline of its own) -------------------
+  template <dtype_like T, reduce_op Op>
+  void all_reduce(std::span<T> data, Op op) {
+    all_reduce(data, op, next<T>(collective::all_reduce, data.size(), Op::kind), deadline::never());
+  }
+  template <dtype_like T>
+  void broadcast(std::span<T> data, int root) {
+    broadcast(data, root, next<T>(collective::broadcast, data.size(), reduce_kind::sum, root), deadline::never());
+  }
+  template <dtype_like T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    all_gather(in, out, next<T>(collective::all_gather, in.size()), deadline::never());
+  }
+  template <dtype_like T, reduce_op Op>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, Op op) {
+    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), Op::kind), deadline::never());
+  }
+  void barrier() { barrier(next<std::uint8_t>(collective::barrier, 0), deadline::never()); }
+
+  // --- the extended interface used by process_group: its fingerprint and deadline -------
+  template <dtype_like T, reduce_op Op>
+  void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    if (data.empty()) return;
+    with_accumulation_buffer(data, [&](auto* buffer) {
+      MPI_Request request;
+      call(MPI_Iallreduce(MPI_IN_PLACE, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op<Op>(), comm_, &request),
+           "MPI_Iallreduce", desc);
+      wait(request, desc, until);
+      if constexpr (Op::kind == reduce_kind::avg) {
+        for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = op.finish(buffer[i], size_);
+      }
+    });
+  }
+
+  template <dtype_like T>
+  void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    if (data.empty()) return;
+    MPI_Request request;
+    call(MPI_Ibcast(data.data(), count(data.size_bytes()), MPI_BYTE, root, comm_, &request), "MPI_Ibcast", desc);
+    wait(request, desc, until);
+  }
+
+  template <dtype_like T, reduce_op Op>
+  void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    if (data.empty()) return;
+    with_accumulation_buffer(data, [&](auto* buffer) {
+      MPI_Request request;
+      void* send = rank_ == root ? MPI_IN_PLACE : static_cast<void*>(buffer);
+      call(MPI_Ireduce(send, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op<Op>(), root, comm_, &request),
+           "MPI_Ireduce", desc);
+      wait(request, desc, until);
+      if constexpr (Op::kind == reduce_kind::avg) {
+        if (rank_ == root)
+          for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = op.finish(buffer[i], size_);
+      }
+    });
+  }
+
+  template <dtype_like T>
+  void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    if (in.empty()) return;
+    MPI_Request request;
+    call(MPI_Iallgather(in.data(), count(in.size_bytes()), MPI_BYTE, out.data(), count(in.size_bytes()), MPI_BYTE, comm_, &request),
+         "MPI_Iallgather", desc);
+    wait(request, desc, until);
+  }
+
+  template <dtype_like T, reduce_op Op>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    if (out.empty()) return;
+    if constexpr (half_precision<T>) {
+      std::vector<float> wide(in.size()), result(out.size());
+      for (std::size_t i = 0; i < in.size(); ++i) wide[i] = static_cast<float>(in[i]);
+      MPI_Request request;
+      call(MPI_Ireduce_scatter_block(wide.data(), result.data(), count(out.size()), MPI_FLOAT, detail::mpi_op<Op>(), comm_, &request),
+           "MPI_Ireduce_scatter_block", desc);
+      wait(request, desc, until);
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = T(op.finish(result[i], size_));
+    } else {
+      MPI_Request request;
+      call(MPI_Ireduce_scatter_block(in.data(), out.data(), count(out.size()), detail::mpi_datatype<T>(), detail::mpi_op<Op>(), comm_,
+                                     &request),
+           "MPI_Ireduce_scatter_block", desc);
+      wait(request, desc, until);
+      if constexpr (Op::kind == reduce_kind::avg) {
+        for (auto& v : out) v = op.finish(v, size_);
+      }
+    }
+  }
+
+  template <dtype_like T>
+  void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    if (in.empty()) return;
+    const int block = count(in.size_bytes() / static_cast<std::size_t>(size_));
+    MPI_Request request;
+    call(MPI_Ialltoall(in.data(), block, MPI_BYTE, out.data(), block, MPI_BYTE, comm_, &request), "MPI_Ialltoall", desc);
+    wait(request, desc, until);
+  }
+
+  void barrier(const collective_desc& desc, deadline until) {
+    agree(desc, until);
+    MPI_Request request;
+    call(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", desc);
+    wait(request, desc, until);
+  }
+
+  template <dtype_like T>
+  void send(std::span<const T> data, int peer, const collective_desc& desc, deadline until) {
+    const auto header = wire_header::encode(desc);
+    MPI_Request requests[2];
+    call(MPI_Isend(header.bytes, wire_header::size, MPI_BYTE, peer, point_to_point_tag, comm_, &requests[0]), "MPI_Isend", desc);
+    call(MPI_Isend(data.data(), count(data.size_bytes()), MPI_BYTE, peer, point_to_point_tag, comm_, &requests[1]), "MPI_Isend", desc);
+    wait(requests[0], desc, until);
+    wait(requests[1], desc, until);
+  }
+  template <dtype_like T>
+  void recv(std::span<T> data, int peer, const collective_desc& desc, deadline until) {
+    wire_header header;
+    MPI_Request request;
+    call(MPI_Irecv(header.bytes, wire_header::size, MPI_BYTE, peer, point_to_point_tag, comm_, &request), "MPI_Irecv", desc);
+    wait(request, desc, until);
+    if (!header.has_magic() || header.decode().op != collective::send || header.decode().count != desc.count ||
+        header.decode().type != desc.type) {
+      throw error(errc::mismatch,
+                  "rank " + std::to_string(peer) + " sent " + (header.has_magic() ? header.decode().describe() : "no ddp header") +
+                      ", this rank expected to receive " + desc.detail(),
+                  desc.context(rank_));
+    }
+    call(MPI_Irecv(data.data(), count(data.size_bytes()), MPI_BYTE, peer, point_to_point_tag, comm_, &request), "MPI_Irecv", desc);
+    wait(request, desc, until);
+  }
+  template <dtype_like T>
+  void send(std::span<const T> data, int peer) { send(data, peer, point_to_point<T>(collective::send, data.size()), deadline::never()); }
+  template <dtype_like T>
+  void recv(std::span<T> data, int peer) { recv(data, peer, point_to_point<T>(collective::recv, data.size()), deadline::never()); }
+
+  /// Makes every wait of this backend return with errc::peer_lost. MPI cannot cancel a
+  /// collective in flight: the communicator is unusable afterwards.
+  void abort() noexcept { aborted_.store(true); }
+
+ private:
+  static constexpr int point_to_point_tag = 0x0ddb;
+
+  template <class T>
+  collective_desc next(collective op, std::size_t n, reduce_kind reduction = reduce_kind::sum, int root = -1) {
+    return collective_desc{.seq = seq_++, .op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .count = n};
+  }
+
+  // Point-to-point calls involve two ranks only, so they do not take a collective sequence number.
+  template <class T>
+  collective_desc point_to_point(collective op, std::size_t n) {
+    return collective_desc{.seq = p2p_seq_++, .op = op, .type = dtype_of<T>, .count = n};
+  }
+
+  static int count(std::size_t n) {
+    if (n > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+      throw error(errc::invalid_argument, "MPI counts are int: " + std::to_string(n) + " elements is too many for one call");
+    }
+    return static_cast<int>(n);
+  }
+
+  void call(int code, const char* what, const collective_desc& desc) const { detail::mpi_check(code, what, desc.context(rank_)); }
+
+  // Polls the request so the deadline and abort() are honoured.
+  void wait(MPI_Request& request, const collective_desc& desc, deadline until) {
+    for (unsigned spins = 0;; ++spins) {
+      int done = 0;
+      call(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test", desc);
+      if (done) return;
+      if (aborted_.load(std::memory_order_relaxed)) {
+        throw error(errc::peer_lost, "the MPI backend was aborted while waiting", desc.context(rank_));
+      }
+      if ((spins & 1023u) == 1023u) {
+        if (until.expired()) {
+          aborted_.store(true);
+          throw error(errc::timeout, "not completed by every rank before the deadline (MPI cannot tell which ranks are missing)",
+                      desc.context(rank_));
+        }
+        sched_yield();
+      }
+    }
+  }
+
+  // Ranks agree on (seq, op, dtype, count, root, reduction): MAX over {h, ~h} equals {h, ~h}
+  // on every rank only if all fingerprints are equal. On a difference all ranks gather the
+  // headers and describe the first rank whose call differs from this one.
+  void agree(const collective_desc& desc, deadline until) {
+    if (!options_.check_collectives || size_ == 1) return;
+    const auto header = wire_header::encode(normalized(desc));
+    std::uint64_t h = 1469598103934665603ull;
+    for (unsigned char b : header.bytes) h = (h ^ b) * 1099511628211ull;
+    std::uint64_t both[2] = {h, ~h};
+    MPI_Request request;
+    call(MPI_Iallreduce(MPI_IN_PLACE, both, 2, MPI_UINT64_T, MPI_MAX, comm_, &request), "MPI_Iallreduce", desc);
+    wait(request, desc, until);
+    if (both[0] == h && both[1] == ~h) return;
+    std::vector<unsigned char> all(wire_header::size * static_cast<std::size_t>(size_));
+    call(MPI_Iallgather(header.bytes, wire_header::size, MPI_BYTE, all.data(), wire_header::size, MPI_BYTE, comm_, &request),
+         "MPI_Iallgather", desc);
+    wait(request, desc, until);
+    for (int r = 0; r < size_; ++r) {
+      wire_header theirs;
+      std::memcpy(theirs.bytes, all.data() + wire_header::size * static_cast<std::size_t>(r), wire_header::size);
+      check_same_collective(desc, theirs.decode(), rank_, r);
+    }
+    throw error(errc::mismatch, "ranks called different collectives (this rank's call matches every other rank's, another pair differs)",
+                desc.context(rank_));
+  }
+
+  // Fields that do not matter for an op are cleared, so they never cause a false mismatch.
+  static collective_desc normalized(collective_desc d) {
+    if (!d.has_reduction()) d.reduction = reduce_kind::sum;
+    if (!d.has_root()) d.root = -1;
+    return d;
+  }
+
+  // half types are reduced in float32: run `f` on a float copy and convert back.
+  template <class T, class F>
+  void with_accumulation_buffer(std::span<T> data, F&& f) {
+    if constexpr (half_precision<T>) {
+      std::vector<float> wide(data.size());
+      for (std::size_t i = 0; i < data.size(); ++i) wide[i] = static_cast<float>(data[i]);
+      f(wide.data());
+      for (std::size_t i = 0; i < data.size(); ++i) data[i] = T(wide[i]);
+    } else {
+      f(data.data());
+    }
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  mpi_options options_;
+  std::uint64_t seq_ = 0;
+  std::uint64_t p2p_seq_ = 0;
+  std::atomic<bool> aborted_{false};
+};
+
+static_assert(backend<mpi_backend>);
+
+}  // namespace ddp
