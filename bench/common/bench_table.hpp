@@ -1,0 +1,96 @@
+#pragma once
+// Shared by the all-reduce benchmarks: the nccl-tests table (size, count, type, time,
+// algbw, busbw), CSV output, size sweeps and robust timing (median of repetitions).
+//
+// busbw = algbw * 2(p-1)/p for all-reduce: the per-rank traffic of an optimal algorithm,
+// comparable across process counts and with the hardware's bandwidth.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace ddp::bench {
+
+struct sweep_options {
+  std::size_t min_bytes = 4;
+  std::size_t max_bytes = std::size_t{64} << 20;
+  int iters = 20;
+  int warmup = 5;
+  bool csv = false;
+  std::string system = "ddp";  // the name in the CSV's first column
+};
+
+/// 4 B, 8 B, ... doubling up to max_bytes (inclusive), at least one float.
+inline std::vector<std::size_t> sizes(const sweep_options& o) {
+  std::vector<std::size_t> out;
+  for (std::size_t b = std::max<std::size_t>(o.min_bytes, 4); b <= o.max_bytes; b *= 2) out.push_back(b);
+  return out;
+}
+
+/// Iterations for a size: fewer for big messages so a sweep stays bounded.
+inline int iterations_for(std::size_t bytes, int iters) {
+  if (bytes >= (std::size_t{16} << 20)) return std::max(3, iters / 4);
+  if (bytes >= (std::size_t{1} << 20)) return std::max(5, iters / 2);
+  return iters * 10;  // small messages: time is tiny, take more samples
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+inline void print_header(const sweep_options& o, int ranks, const char* what) {
+  if (o.csv) {
+    std::printf("system,ranks,bytes,count,type,time_us,algbw_gbs,busbw_gbs\n");
+  } else {
+    std::printf("# %s, %d ranks\n", what, ranks);
+    std::printf("%12s %12s %8s %12s %10s %10s\n", "size(B)", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+  }
+  std::fflush(stdout);
+}
+
+inline void print_row(const sweep_options& o, int ranks, std::size_t bytes, double seconds) {
+  const double algbw = static_cast<double>(bytes) / seconds / 1e9;
+  const double busbw = algbw * 2.0 * (ranks - 1) / ranks;
+  if (o.csv) {
+    std::printf("%s,%d,%zu,%zu,float,%.3f,%.4f,%.4f\n", o.system.c_str(), ranks, bytes, bytes / 4, seconds * 1e6, algbw, busbw);
+  } else {
+    std::printf("%12zu %12zu %8s %12.2f %10.3f %10.3f\n", bytes, bytes / 4, "float", seconds * 1e6, algbw, busbw);
+  }
+  std::fflush(stdout);
+}
+
+/// Parses the flags the sweeps share; returns false (after printing why) on a bad one.
+/// Unknown flags are left for the caller (returned in `rest`).
+inline bool parse_common(int argc, char** argv, sweep_options& o, std::vector<std::string>& rest) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* name) -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", name);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--min-bytes") o.min_bytes = std::strtoull(value("--min-bytes"), nullptr, 10);
+    else if (a == "--max-bytes") o.max_bytes = std::strtoull(value("--max-bytes"), nullptr, 10);
+    else if (a == "--iters") o.iters = std::atoi(value("--iters"));
+    else if (a == "--warmup") o.warmup = std::atoi(value("--warmup"));
+    else if (a == "--csv") o.csv = true;
+    else if (a == "--system") o.system = value("--system");
+    else rest.push_back(a);
+  }
+  if (o.iters < 1 || o.min_bytes > o.max_bytes) {
+    std::fprintf(stderr, "bad sweep options: --iters >= 1 and --min-bytes <= --max-bytes\n");
+    return false;
+  }
+  return true;
+}
+
+}  // namespace ddp::bench

@@ -1,0 +1,47 @@
+// Open MPI's MPI_Allreduce over the same sweep and columns as ddp_bench_allreduce.
+// Run under mpirun; --in-place uses MPI_IN_PLACE (Open MPI's fastest shared-memory path here).
+// The time of a size is the slowest rank's mean over the iterations.
+#include <mpi.h>
+
+#include <vector>
+
+#include "../common/bench_table.hpp"
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  ddp::bench::sweep_options options;
+  options.system = "openmpi";
+  std::vector<std::string> rest;
+  if (!ddp::bench::parse_common(argc, argv, options, rest)) MPI_Abort(MPI_COMM_WORLD, 2);
+  bool in_place = false;
+  for (const auto& a : rest) {
+    if (a == "--in-place") in_place = true;
+    else {
+      if (rank == 0) std::fprintf(stderr, "unknown flag %s\n", a.c_str());
+      MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+  }
+  if (rank == 0) ddp::bench::print_header(options, size, in_place ? "Open MPI MPI_Allreduce (MPI_IN_PLACE)" : "Open MPI MPI_Allreduce");
+  const auto sizes = ddp::bench::sizes(options);
+  std::vector<float> in(sizes.back() / 4, 1.0f), out(sizes.back() / 4, 0.0f);  // pre-touched
+  for (std::size_t bytes : sizes) {
+    const int count = static_cast<int>(bytes / 4);
+    auto once = [&] {
+      if (in_place) MPI_Allreduce(MPI_IN_PLACE, out.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      else MPI_Allreduce(in.data(), out.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    };
+    for (int i = 0; i < options.warmup; ++i) once();
+    const int iters = ddp::bench::iterations_for(bytes, options.iters);
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double start = MPI_Wtime();
+    for (int i = 0; i < iters; ++i) once();
+    double mean = (MPI_Wtime() - start) / iters, slowest = 0;
+    MPI_Reduce(&mean, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (rank == 0) ddp::bench::print_row(options, size, bytes, slowest);
+  }
+  MPI_Finalize();
+  return 0;
+}

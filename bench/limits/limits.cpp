@@ -1,0 +1,175 @@
+// What this machine can do, as baselines for the all-reduce benchmarks:
+//   ddp_bench_limits --probe [--copy] [sweep flags]   the bare two-process shared-memory all-reduce
+//                                                      (the "limit" line), same columns as ddp_bench_allreduce
+//   ddp_bench_limits --bandwidth                       memcpy with 1 and 2 threads, loopback TCP stream
+//
+// The probe: both ranks' buffers live in one shared mapping; each rank adds its half of the
+// peer's buffer into its own and writes the sum into both (in place, no copies), then a spin
+// barrier. With --copy each rank first copies its private input in and the result out, as a
+// library must for ordinary user buffers.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "../common/bench_table.hpp"
+
+namespace {
+
+using seconds = std::chrono::duration<double>;
+
+struct alignas(64) probe_control {
+  std::atomic<std::uint64_t> arrived[2];
+};
+
+void spin_barrier(probe_control* c, int rank, std::uint64_t generation) {
+  c->arrived[rank].store(generation, std::memory_order_release);
+  unsigned spins = 0;
+  while (c->arrived[1 - rank].load(std::memory_order_acquire) < generation) {
+    if (++spins > 4096) sched_yield();  // two cores: let the peer run
+  }
+}
+
+int probe(const ddp::bench::sweep_options& options, bool copy) {
+  const auto sizes = ddp::bench::sizes(options);
+  const std::size_t max_floats = sizes.back() / 4;
+  const std::size_t bytes = sizeof(probe_control) + 2 * max_floats * sizeof(float);
+  void* shared = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (shared == MAP_FAILED) return 1;
+  auto* control = new (shared) probe_control{};
+  auto* buffers = reinterpret_cast<float*>(static_cast<char*>(shared) + sizeof(probe_control));
+  std::memset(buffers, 0, 2 * max_floats * sizeof(float));  // pre-touch
+  ddp::bench::sweep_options o = options;
+  o.system = copy ? "probe-copy" : "probe";
+  ddp::bench::print_header(o, 2, copy ? "bare shared-memory probe with copy in/out" : "bare shared-memory probe (in place)");
+  const pid_t child = ::fork();
+  const int rank = child == 0 ? 1 : 0;
+  std::vector<float> user(max_floats, 1.0f);
+  std::uint64_t generation = 0;
+  for (std::size_t size_bytes : sizes) {
+    const std::size_t n = size_bytes / 4;
+    float* mine = buffers + static_cast<std::size_t>(rank) * max_floats;
+    float* peer = buffers + static_cast<std::size_t>(1 - rank) * max_floats;
+    const std::size_t half = n / 2, begin = rank == 0 ? 0 : half, end = rank == 0 ? half : n;
+    auto once = [&] {
+      if (copy) std::memcpy(mine, user.data(), n * sizeof(float));
+      spin_barrier(control, rank, ++generation);
+      for (std::size_t i = begin; i < end; ++i) {
+        const float s = mine[i] + peer[i];
+        mine[i] = s;
+        peer[i] = s;
+      }
+      spin_barrier(control, rank, ++generation);
+      if (copy) std::memcpy(user.data(), mine, n * sizeof(float));
+    };
+    for (int i = 0; i < options.warmup; ++i) once();
+    const int iters = ddp::bench::iterations_for(size_bytes, options.iters);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) once();
+    const double t = seconds(std::chrono::steady_clock::now() - start).count() / iters;
+    if (rank == 0) ddp::bench::print_row(o, 2, size_bytes, t);
+  }
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ::munmap(shared, bytes);
+  return 0;
+}
+
+double memcpy_gbs(int threads, std::size_t bytes) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  auto copy_part = [&](int t, int reps) {
+    const std::size_t part = bytes / static_cast<std::size_t>(threads);
+    for (int r = 0; r < reps; ++r) std::memcpy(dst.data() + part * static_cast<std::size_t>(t), src.data() + part * static_cast<std::size_t>(t), part);
+  };
+  const int reps = 10;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(copy_part, t, reps);
+  for (auto& th : pool) th.join();
+  return static_cast<double>(bytes) * reps / seconds(std::chrono::steady_clock::now() - start).count() / 1e9;
+}
+
+double tcp_stream_gbs(std::size_t total) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::listen(listener, 1);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::vector<char> buffer(std::size_t{1} << 20, 7);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ::_exit(1);
+    std::size_t sent = 0;
+    while (sent < total) {
+      const ssize_t n = ::send(s, buffer.data(), std::min(buffer.size(), total - sent), 0);
+      if (n <= 0) ::_exit(1);
+      sent += static_cast<std::size_t>(n);
+    }
+    ::close(s);
+    ::_exit(0);
+  }
+  const int c = ::accept(listener, nullptr, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t got = 0;
+  while (got < total) {
+    const ssize_t n = ::recv(c, buffer.data(), buffer.size(), 0);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  const double t = seconds(std::chrono::steady_clock::now() - start).count();
+  ::close(c);
+  ::close(listener);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return static_cast<double>(got) / t / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ddp::bench::sweep_options options;
+  std::vector<std::string> rest;
+  if (!ddp::bench::parse_common(argc, argv, options, rest)) return 2;
+  bool do_probe = false, copy = false, bandwidth = false;
+  for (const auto& a : rest) {
+    if (a == "--probe") do_probe = true;
+    else if (a == "--copy") copy = true;
+    else if (a == "--bandwidth") bandwidth = true;
+    else {
+      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--csv] | --bandwidth [--csv]\n", a.c_str());
+      return 2;
+    }
+  }
+  if (do_probe) return probe(options, copy);
+  if (bandwidth) {
+    const std::size_t bytes = std::size_t{64} << 20;
+    const double one = memcpy_gbs(1, bytes), two = memcpy_gbs(2, bytes), tcp = tcp_stream_gbs(std::size_t{1} << 30);
+    if (options.csv) {
+      std::printf("limit,value_gbs\nmemcpy_1thread,%.3f\nmemcpy_2threads,%.3f\ntcp_loopback_stream,%.3f\n", one, two, tcp);
+    } else {
+      std::printf("memcpy, 1 thread (64 MiB):   %7.2f GB/s\n", one);
+      std::printf("memcpy, 2 threads (64 MiB):  %7.2f GB/s\n", two);
+      std::printf("TCP loopback stream (1 GiB): %7.2f GB/s\n", tcp);
+      // A 2-rank ring all-reduce moves each byte across the link once each way: busbw <= link rate.
+      std::printf("best achievable busbw, TCP, p=2: about %.2f GB/s (one stream per direction)\n", tcp);
+    }
+    return 0;
+  }
+  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--csv] | --bandwidth [--csv]\n");
+  return 2;
+}
