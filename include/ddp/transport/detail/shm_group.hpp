@@ -1,0 +1,290 @@
+#pragma once
+// shm_group: the ranks of one host sharing one segment each, set up through the store.
+//
+// Rendezvous (keys under "<prefix>shm/<tag>/"): rank 0 draws a random job id; every rank creates
+// its segment "/ddp-<prefix>-<job>-<tag>-r<rank>", publishes "ready/<rank>" = "<pid> <host>",
+// maps every peer's segment, publishes "mapped/<rank>", and once all ranks have mapped it
+// unlinks its own. From then on nothing is left in /dev/shm, whatever happens to the processes.
+//
+// Waiting: spin (cpu pause), then sched_yield, then FUTEX_WAIT in slices on one doorbell word
+// of the group (in rank 0's segment). A waiter registers in `sleepers` before sleeping, and a
+// publisher rings the doorbell only when someone sleeps, so the fast path has no system call.
+// Between slices the waiter looks at the peers' pidfds (a dead peer is errc::peer_lost within a
+// slice, 10 ms), the group's aborted word and its deadline.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/store/store.hpp"
+#include "ddp/transport/detail/shm_segment.hpp"
+
+namespace ddp::detail::shm {
+
+/// How long a waiter spins and yields before it sleeps. Defaults suit latency-bound collectives;
+/// when there are more ranks than CPUs the spin is cut short so the awaited rank can run.
+struct shm_wait_policy {
+  std::chrono::nanoseconds spin = std::chrono::microseconds(50);
+  std::chrono::nanoseconds spin_oversubscribed = std::chrono::microseconds(2);
+  std::chrono::nanoseconds yield = std::chrono::milliseconds(2);
+  std::chrono::nanoseconds slice = std::chrono::milliseconds(10);  // futex timeout between liveness checks
+};
+
+class shm_group {
+ public:
+  static constexpr std::size_t header_bytes = 4096;  // identity + job line; the payload starts page aligned
+
+  /// Collective over the `size` ranks: each calls it with the same prefix and tag.
+  shm_group(ddp::store::store& st, const std::string& prefix, const std::string& tag, int rank, int size,
+            std::size_t payload_bytes, deadline dl, shm_wait_policy policy = {})
+      : rank_(rank), size_(size), policy_(policy), payload_bytes_(round_up(payload_bytes, 4096)) {
+    if (size < 1 || rank < 0 || rank >= size) {
+      throw error(errc::invalid_argument, "shm group: rank " + std::to_string(rank) + " of size " + std::to_string(size) + " is out of range");
+    }
+    oversubscribed_ = size > usable_cpus();
+    const std::string keys = prefix + "shm/" + tag + "/";
+    const std::string job_key = keys + "job";
+    std::string job;
+    if (rank == 0) {
+      job = random_job_id();
+      st.set_string(job_key, job);
+    } else {
+      store_wait(st, {job_key}, dl);
+      job = st.get_string(job_key);
+    }
+    base_ = segment_name(prefix, job, tag);
+    const std::size_t bytes = header_bytes + payload_bytes_;
+    segments_.resize(static_cast<std::size_t>(size));
+    segments_[static_cast<std::size_t>(rank)] = shm_segment::create(base_ + "-r" + std::to_string(rank), bytes);
+    auto* me = identity_of(segments_[static_cast<std::size_t>(rank)].data());
+    me->pid = ::getpid();
+    me->rank = rank;
+    me->size = size;
+    me->magic = identity::magic_value;
+    const std::string host = hostname();
+    st.set_string(keys + "ready/" + std::to_string(rank), std::to_string(::getpid()) + " " + host);
+
+    std::vector<std::string> ready;
+    for (int r = 0; r < size; ++r) ready.push_back(keys + "ready/" + std::to_string(r));
+    store_wait(st, ready, dl);
+    pids_.assign(static_cast<std::size_t>(size), 0);
+    pids_[static_cast<std::size_t>(rank)] = ::getpid();
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
+      const std::string value = st.get_string(ready[static_cast<std::size_t>(r)]);
+      const auto space = value.find(' ');
+      const std::string peer_host = space == std::string::npos ? "" : value.substr(space + 1);
+      if (peer_host != host) {
+        throw error(errc::config, "rank " + std::to_string(r) + " runs on host '" + peer_host + "', this rank on '" + host +
+                                      "': shared memory needs every rank of the group on one host");
+      }
+      auto& seg = segments_[static_cast<std::size_t>(r)];
+      seg = shm_segment::open(base_ + "-r" + std::to_string(r), bytes);
+      const auto* id = identity_of(seg.data());
+      if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
+        throw error(errc::internal, "shared-memory segment " + seg.name() + " does not belong to rank " + std::to_string(r));
+      }
+      pids_[static_cast<std::size_t>(r)] = id->pid;
+      watch_.add(r, id->pid);
+    }
+    job_ = reinterpret_cast<job_line*>(segments_[0].data() + cache_line);
+    st.set_string(keys + "mapped/" + std::to_string(rank), "1");
+    std::vector<std::string> mapped;
+    for (int r = 0; r < size; ++r) mapped.push_back(keys + "mapped/" + std::to_string(r));
+    store_wait(st, mapped, dl);
+    segments_[static_cast<std::size_t>(rank)].unlink();
+  }
+
+  shm_group(const shm_group&) = delete;
+  shm_group& operator=(const shm_group&) = delete;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  pid_t pid_of(int r) const noexcept { return pids_[static_cast<std::size_t>(r)]; }
+  bool oversubscribed() const noexcept { return oversubscribed_; }
+  /// "/ddp-<prefix>-<job>-<tag>": names of further segments of this group start with it.
+  const std::string& name_base() const noexcept { return base_; }
+
+  /// Rank r's payload, mapped in this process.
+  std::byte* payload(int r) const noexcept { return segments_[static_cast<std::size_t>(r)].data() + header_bytes; }
+  std::size_t payload_bytes() const noexcept { return payload_bytes_; }
+
+  /// Call after publishing anything a peer may wait for.
+  void notify() noexcept {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (job_->sleepers.load(std::memory_order_relaxed) != 0) ring();
+  }
+
+  bool aborted() const noexcept { return job_->aborted.load(std::memory_order_relaxed) != 0; }
+
+  /// Marks the whole group aborted (every rank's waiters fail with errc::peer_lost) and wakes them.
+  /// `cause` is a dead peer this rank noticed, so the others can name it.
+  void abort(int cause_rank = -1, pid_t cause_pid = 0) noexcept {
+    if (job_ == nullptr) return;
+    std::uint32_t expected = 0;
+    const std::uint32_t word = static_cast<std::uint32_t>(rank_ + 1) | (static_cast<std::uint32_t>(cause_rank + 1) << 16);
+    if (job_->claim.compare_exchange_strong(expected, 1)) {
+      job_->cause_pid.store(cause_pid, std::memory_order_relaxed);
+      job_->aborted.store(word, std::memory_order_release);
+    }
+    ring();
+  }
+
+  /// Why a wait cannot succeed: a dead peer or an abort; nullopt when neither.
+  std::optional<std::pair<errc, std::string>> failure() const {
+    if (auto dead = watch_.first_dead()) {
+      return std::pair{errc::peer_lost, "peer rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) + ") exited"};
+    }
+    const std::uint32_t word = job_->aborted.load(std::memory_order_acquire);
+    if (word == 0) return std::nullopt;
+    const int by = static_cast<int>(word & 0xffffu) - 1;
+    const int cause = static_cast<int>(word >> 16) - 1;
+    if (cause >= 0) {
+      return std::pair{errc::peer_lost, "peer rank " + std::to_string(cause) + " (pid " + std::to_string(job_->cause_pid.load()) +
+                                            ") exited (noticed by rank " + std::to_string(by) + ")"};
+    }
+    if (by == rank_) return std::pair{errc::peer_lost, "the communicator was aborted on this rank"};
+    return std::pair{errc::peer_lost, "peer rank " + std::to_string(by) + " (pid " + std::to_string(pid_of(by)) + ") aborted the communicator"};
+  }
+
+  /// Waits until ready() holds. On a dead peer, an abort or the deadline it calls
+  /// fail(errc, message), which must throw. ready() is called often: keep it to a few loads.
+  template <class Ready, class Fail>
+  void wait(Ready&& ready, deadline dl, Fail&& fail) {
+    if (ready()) return;
+    const auto start = clock::now();
+    const auto spin_for = oversubscribed_ ? policy_.spin_oversubscribed : policy_.spin;
+    for (unsigned i = 1;; ++i) {
+      cpu_relax();
+      if (ready()) return;
+      if ((i & 63u) == 0) {
+        if (aborted()) fail_now(fail);
+        const auto now = clock::now();
+        if (now - start >= spin_for) break;
+        if (!dl.is_never() && now >= dl.time_point()) fail_timeout(ready, fail, start);
+      }
+    }
+    auto last_check = clock::now();
+    for (unsigned i = 1;; ++i) {
+      ::sched_yield();
+      if (ready()) return;
+      if ((i & 7u) == 0) {
+        if (aborted()) fail_now(fail);
+        const auto now = clock::now();
+        if (now - last_check >= std::chrono::milliseconds(1)) {
+          last_check = now;
+          if (watch_.first_dead()) fail_now(fail);
+        }
+        if (now - start >= policy_.yield) break;
+        if (!dl.is_never() && now >= dl.time_point()) fail_timeout(ready, fail, start);
+      }
+    }
+    for (;;) {
+      job_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      const std::uint32_t bell = job_->doorbell.load(std::memory_order_seq_cst);
+      bool done = ready();
+      if (!done && !aborted()) {
+        auto slice = policy_.slice;
+        if (!dl.is_never()) {
+          const auto left = dl.time_point() - clock::now();
+          if (left < slice) slice = std::max(std::chrono::nanoseconds(left), std::chrono::nanoseconds(0));
+        }
+        if (slice > std::chrono::nanoseconds(0)) futex_wait(&job_->doorbell, bell, slice);
+      }
+      job_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (done || ready()) return;
+      if (aborted() || watch_.first_dead()) fail_now(fail);
+      if (dl.expired()) fail_timeout(ready, fail, start);
+    }
+  }
+
+ private:
+  struct identity {
+    static constexpr std::uint64_t magic_value = 0x6464702d73686d31;  // "ddp-shm1"
+    std::uint64_t magic;
+    std::int32_t pid;
+    std::int32_t rank;
+    std::int32_t size;
+  };
+  struct alignas(cache_line) job_line {
+    std::atomic<std::uint32_t> doorbell;
+    std::atomic<std::uint32_t> sleepers;
+    std::atomic<std::uint32_t> claim;    // first aborter wins
+    std::atomic<std::uint32_t> aborted;  // (aborter + 1) | (dead peer + 1) << 16, or 0
+    std::atomic<std::int32_t> cause_pid;
+  };
+  static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+
+  static identity* identity_of(std::byte* segment) noexcept { return reinterpret_cast<identity*>(segment); }
+
+  void ring() noexcept {
+    job_->doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&job_->doorbell);
+  }
+
+  template <class Fail>
+  [[noreturn]] void fail_now(Fail& fail) {
+    auto why = failure();
+    if (why) fail(why->first, why->second);
+    fail(errc::internal, "wait failed without a cause");
+    std::terminate();  // fail must throw
+  }
+  template <class Ready, class Fail>
+  void fail_timeout(Ready& ready, Fail& fail, clock::time_point start) {
+    if (ready()) return;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count();
+    fail(errc::timeout, "deadline expired after waiting " + std::to_string(waited) + " ms");
+    std::terminate();
+  }
+
+  static void store_wait(ddp::store::store& st, const std::vector<std::string>& keys, deadline dl) {
+    const auto left = dl.remaining();
+    try {
+      st.wait(keys, left);
+    } catch (const error& e) {
+      throw error(e.code(), "shared-memory setup: " + e.message() + " (has every rank of the group started?)", e.context());
+    }
+  }
+
+  static std::string random_job_id() {
+    std::random_device rd;
+    const std::uint64_t v = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+                            static_cast<std::uint64_t>(clock::now().time_since_epoch().count()) ^
+                            (static_cast<std::uint64_t>(::getpid()) << 20);
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+    return std::string(buf, 12);
+  }
+
+  static std::string hostname() {
+    char buf[256] = {};
+    if (::gethostname(buf, sizeof buf - 1) != 0) return "?";
+    return buf;
+  }
+
+  int rank_;
+  int size_;
+  shm_wait_policy policy_;
+  std::size_t payload_bytes_;
+  bool oversubscribed_ = false;
+  std::string base_;
+  std::vector<shm_segment> segments_;
+  std::vector<pid_t> pids_;
+  peer_watch watch_;
+  job_line* job_ = nullptr;
+};
+
+}  // namespace ddp::detail::shm
