@@ -20,12 +20,17 @@ class deadline {
   constexpr deadline() noexcept : at_(clock::time_point::max()) {}
   explicit constexpr deadline(clock::time_point at) noexcept : at_(at) {}
 
+  /// Timeouts beyond what the clock can represent from now (~292 years) mean never.
   template <class Rep, class Period>
   static deadline after(std::chrono::duration<Rep, Period> timeout) noexcept {
     const auto now = clock::now();
-    const auto limit = std::chrono::duration_cast<clock::duration>(clock::time_point::max() - now);
-    const auto d = std::chrono::duration_cast<clock::duration>(timeout);
-    return deadline(d >= limit ? clock::time_point::max() : now + d);
+    if (timeout <= timeout.zero()) return deadline(now);
+    // Compare in floating seconds first: casting a huge timeout in coarse units (hours::max(),
+    // milliseconds::max()) to the clock's nanoseconds would overflow. The margin absorbs the
+    // double's rounding so that the cast below cannot pass time_point::max().
+    const std::chrono::duration<double> limit = clock::time_point::max() - now;
+    if (std::chrono::duration<double>(timeout) >= limit * 0.999) return deadline();
+    return deadline(now + std::chrono::duration_cast<clock::duration>(timeout));
   }
   static constexpr deadline never() noexcept { return deadline(); }
 
