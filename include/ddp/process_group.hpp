@@ -1,0 +1,745 @@
+#pragma once
+// ddp::process_group<B>: everything a collective needs besides moving bytes, over any
+// ddp::backend B (ring, nccl, mpi, or a user's).
+//
+//  - argument checks (errc::invalid_argument naming the argument and the expected size);
+//  - a sequence number per group, and the collective's fingerprint (collective_desc), handed
+//    to backends that take it so they can detect ranks calling different collectives;
+//  - one deadline per call from the group timeout (default ddp::default_timeout()). A backend
+//    with the extended signatures (..., const collective_desc&, deadline) enforces it itself;
+//    for any other a watchdog calls backend.abort() at the deadline and the call fails with
+//    errc::timeout naming the collective, its sequence number and, when the backend can tell
+//    (missing_ranks()), the ranks that did not arrive;
+//  - async collectives (*_async -> ddp::work) executed in call order on ONE communication
+//    thread per group. A blocking call first waits for the queued ones and then runs on the
+//    calling thread (no thread hand-off on the latency path), so call order is kept;
+//  - a failed collective breaks the group: every later call fails at once with the original
+//    cause (a backend is in an unknown state after a failure, as NCCL and MPI are);
+//  - statistics per collective kind (calls, bytes, time);
+//  - sub-groups: new_group(ranks) builds a backend over the members (B::split), rank numbers
+//    in a sub-group are its own (0..k-1), like an MPI or NCCL communicator. Every rank of the
+//    parent calls new_group in the same order (as in torch); non-members get an invalid group.
+//
+// Buffers given to an async collective must stay alive and untouched until its work is done.
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "ddp/core/collective.hpp"
+#include "ddp/core/concepts.hpp"
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/dtype.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/pg_backend_traits.hpp"
+#include "ddp/detail/pg_watchdog.hpp"
+#include "ddp/work.hpp"
+
+namespace ddp {
+
+struct group_options {
+  std::chrono::milliseconds timeout = default_timeout();  // per collective call
+};
+
+/// Counters of one collective kind. bytes: the size of the largest buffer of each call on this
+/// rank (nccl-tests' "size": the data of all_reduce/broadcast/reduce, the output of all_gather,
+/// the input of reduce_scatter). time: from the start of execution to its end.
+struct collective_stats {
+  std::uint64_t calls = 0;
+  std::uint64_t failures = 0;
+  std::uint64_t bytes = 0;
+  std::chrono::nanoseconds time{0};
+};
+
+struct group_stats {
+  std::array<collective_stats, 12> by_op{};  // indexed by ddp::collective
+  const collective_stats& operator[](collective c) const noexcept { return by_op[static_cast<std::size_t>(c)]; }
+  collective_stats& operator[](collective c) noexcept { return by_op[static_cast<std::size_t>(c)]; }
+  collective_stats total() const noexcept {
+    collective_stats t;
+    for (const auto& s : by_op) {
+      t.calls += s.calls;
+      t.failures += s.failures;
+      t.bytes += s.bytes;
+      t.time += s.time;
+    }
+    return t;
+  }
+};
+
+namespace detail {
+
+template <class T> inline constexpr bool pg_is_span_v = false;
+template <class T, std::size_t N> inline constexpr bool pg_is_span_v<std::span<T, N>> = true;
+
+/// A contiguous range of a collective element type that is not already a std::span.
+template <class R>
+concept pg_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
+                   dtype_like<std::ranges::range_value_t<R>> && !pg_is_span_v<std::remove_cvref_t<R>>;
+template <class R>
+concept pg_any_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> && dtype_like<std::ranges::range_value_t<R>>;
+
+template <class R>
+auto pg_span(R&& r) {
+  return std::span(std::ranges::data(r), std::ranges::size(r));
+}
+template <class R>
+auto pg_const_span(R&& r) {
+  using T = std::remove_cv_t<std::ranges::range_value_t<R>>;
+  return std::span<const T>(std::ranges::data(r), std::ranges::size(r));
+}
+
+template <class T, class U>
+bool pg_overlap(std::span<T> a, std::span<U> b) noexcept {
+  if (a.empty() || b.empty()) return false;
+  const auto* a0 = reinterpret_cast<const std::byte*>(a.data());
+  const auto* b0 = reinterpret_cast<const std::byte*>(b.data());
+  return std::less<>{}(a0, b0 + b.size_bytes()) && std::less<>{}(b0, a0 + a.size_bytes());
+}
+
+}  // namespace detail
+
+template <ddp::backend B>
+class process_group {
+ public:
+  using backend_type = B;
+
+  /// An invalid group: what non-members get from new_group(). Every call on it throws.
+  process_group() = default;
+  explicit process_group(B backend, group_options opts = {}) : s_(std::make_unique<state>(std::move(backend), opts)) {}
+  process_group(process_group&&) noexcept = default;
+  process_group& operator=(process_group&&) noexcept = default;
+  /// Waits for the queued collectives (each bounded by its deadline), then stops the threads.
+  ~process_group() = default;
+
+  bool valid() const noexcept { return s_ != nullptr; }
+  explicit operator bool() const noexcept { return valid(); }
+  /// This rank in the group, -1 in an invalid group.
+  int rank() const noexcept { return s_ ? s_->rank : -1; }
+  /// Ranks in the group, 0 in an invalid group.
+  int size() const noexcept { return s_ ? s_->size : 0; }
+  static constexpr std::string_view backend_name() noexcept { return detail::pg_backend_name<B>(); }
+  static constexpr memory_space memory = B::memory;
+
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(live().timeout_ms.load()); }
+  void set_timeout(std::chrono::milliseconds t) {
+    if (t <= std::chrono::milliseconds::zero()) {
+      throw error(errc::invalid_argument, "timeout of " + std::to_string(t.count()) + " ms: it must be positive", {.rank = rank()});
+    }
+    live().timeout_ms.store(t.count());
+    live().watchdog.set_idle_wait(t);
+  }
+  /// The sequence number the next collective call will get.
+  std::uint64_t next_sequence() const {
+    std::lock_guard lock(live().mutex);
+    return live().seq;
+  }
+  group_stats stats() const {
+    std::lock_guard lock(live().stats_mutex);
+    return live().stats;
+  }
+  /// Whether an earlier collective failed (then every call fails with that cause).
+  bool broken() const noexcept { return s_ && s_->is_broken.load(); }
+
+  B& backend() { return live().backend; }
+  const B& backend() const { return live().backend; }
+
+  // --- all_reduce ------------------------------------------------------------------------
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  void all_reduce(std::span<T> data, Op op = {}) {
+    run(describe<T>(collective::all_reduce, data.size(), Op::kind), data.size_bytes(), all_reduce_call(data, op));
+  }
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  void all_reduce(std::span<const T> in, std::span<T> out, Op op = {}) {
+    check_same_size(collective::all_reduce, in.size(), out.size());
+    run(describe<T>(collective::all_reduce, out.size(), Op::kind), out.size_bytes(), all_reduce_call(in, out, op));
+  }
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  work all_reduce_async(std::span<T> data, Op op = {}) {
+    return submit(describe<T>(collective::all_reduce, data.size(), Op::kind), data.size_bytes(), all_reduce_call(data, op));
+  }
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  work all_reduce_async(std::span<const T> in, std::span<T> out, Op op = {}) {
+    check_same_size(collective::all_reduce, in.size(), out.size());
+    return submit(describe<T>(collective::all_reduce, out.size(), Op::kind), out.size_bytes(), all_reduce_call(in, out, op));
+  }
+
+  // --- broadcast ---------------------------------------------------------------------------
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  void broadcast(std::span<T> data, int root) {
+    check_rank(collective::broadcast, "root", root);
+    run(describe<T>(collective::broadcast, data.size(), reduce_kind::sum, root), data.size_bytes(), broadcast_call(data, root));
+  }
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  work broadcast_async(std::span<T> data, int root) {
+    check_rank(collective::broadcast, "root", root);
+    return submit(describe<T>(collective::broadcast, data.size(), reduce_kind::sum, root), data.size_bytes(), broadcast_call(data, root));
+  }
+
+  // --- reduce (result on root; other ranks' data is unspecified afterwards) ----------------
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  void reduce(std::span<T> data, int root, Op op = {}) {
+    check_rank(collective::reduce, "root", root);
+    run(describe<T>(collective::reduce, data.size(), Op::kind, root), data.size_bytes(), reduce_call(data, root, op));
+  }
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  work reduce_async(std::span<T> data, int root, Op op = {}) {
+    check_rank(collective::reduce, "root", root);
+    return submit(describe<T>(collective::reduce, data.size(), Op::kind, root), data.size_bytes(), reduce_call(data, root, op));
+  }
+
+  // --- all_gather: out = size() * in, rank-major ------------------------------------------
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    check_scaled(collective::all_gather, "out", out.size(), "in", in.size());
+    run(describe<T>(collective::all_gather, in.size()), out.size_bytes(), all_gather_call(in, out));
+  }
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  work all_gather_async(std::span<const T> in, std::span<T> out) {
+    check_scaled(collective::all_gather, "out", out.size(), "in", in.size());
+    return submit(describe<T>(collective::all_gather, in.size()), out.size_bytes(), all_gather_call(in, out));
+  }
+
+  // --- reduce_scatter: in = size() * out --------------------------------------------------
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  void reduce_scatter(std::span<const T> in, std::span<T> out, Op op = {}) {
+    check_scaled(collective::reduce_scatter, "in", in.size(), "out", out.size());
+    run(describe<T>(collective::reduce_scatter, out.size(), Op::kind), in.size_bytes(), reduce_scatter_call(in, out, op));
+  }
+  template <dtype_like T, reduce_op Op = sum>
+    requires(!std::is_const_v<T>)
+  work reduce_scatter_async(std::span<const T> in, std::span<T> out, Op op = {}) {
+    check_scaled(collective::reduce_scatter, "in", in.size(), "out", out.size());
+    return submit(describe<T>(collective::reduce_scatter, out.size(), Op::kind), in.size_bytes(), reduce_scatter_call(in, out, op));
+  }
+
+  // --- all_to_all: equal blocks of in.size() / size() -------------------------------------
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  void all_to_all(std::span<const T> in, std::span<T> out) {
+    check_all_to_all(in.size(), out.size());
+    run(describe<T>(collective::all_to_all, in.size()), in.size_bytes(), all_to_all_call(in, out));
+  }
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  work all_to_all_async(std::span<const T> in, std::span<T> out) {
+    check_all_to_all(in.size(), out.size());
+    return submit(describe<T>(collective::all_to_all, in.size()), in.size_bytes(), all_to_all_call(in, out));
+  }
+
+  // --- barrier -------------------------------------------------------------------------------
+  void barrier() { run(describe<std::uint8_t>(collective::barrier, 0), 0, barrier_call()); }
+  work barrier_async() { return submit(describe<std::uint8_t>(collective::barrier, 0), 0, barrier_call()); }
+
+  // --- point to point (sequenced like collectives: both ranks must agree on the order) ---
+  template <dtype_like T>
+  void send(std::span<const T> data, int peer) {
+    check_peer(collective::send, peer);
+    run(describe<T>(collective::send, data.size()), data.size_bytes(), send_call(data, peer));
+  }
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  void recv(std::span<T> data, int peer) {
+    check_peer(collective::recv, peer);
+    run(describe<T>(collective::recv, data.size()), data.size_bytes(), recv_call(data, peer));
+  }
+  template <dtype_like T>
+  work send_async(std::span<const T> data, int peer) {
+    check_peer(collective::send, peer);
+    return submit(describe<T>(collective::send, data.size()), data.size_bytes(), send_call(data, peer));
+  }
+  template <dtype_like T>
+    requires(!std::is_const_v<T>)
+  work recv_async(std::span<T> data, int peer) {
+    check_peer(collective::recv, peer);
+    return submit(describe<T>(collective::recv, data.size()), data.size_bytes(), recv_call(data, peer));
+  }
+
+  // --- any contiguous range (std::vector, std::array, thrust::host_vector, ...) ------------
+  template <detail::pg_range R, reduce_op Op = sum>
+  void all_reduce(R&& data, Op op = {}) { all_reduce(detail::pg_span(data), op); }
+  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
+  void all_reduce(In&& in, Out&& out, Op op = {}) { all_reduce(detail::pg_const_span(in), detail::pg_span(out), op); }
+  template <detail::pg_range R, reduce_op Op = sum>
+  work all_reduce_async(R&& data, Op op = {}) { return all_reduce_async(detail::pg_span(data), op); }
+  template <detail::pg_range R>
+  void broadcast(R&& data, int root) { broadcast(detail::pg_span(data), root); }
+  template <detail::pg_range R>
+  work broadcast_async(R&& data, int root) { return broadcast_async(detail::pg_span(data), root); }
+  template <detail::pg_range R, reduce_op Op = sum>
+  void reduce(R&& data, int root, Op op = {}) { reduce(detail::pg_span(data), root, op); }
+  template <detail::pg_any_range In, detail::pg_any_range Out>
+  void all_gather(In&& in, Out&& out) { all_gather(detail::pg_const_span(in), detail::pg_span(out)); }
+  template <detail::pg_any_range In, detail::pg_any_range Out>
+  work all_gather_async(In&& in, Out&& out) { return all_gather_async(detail::pg_const_span(in), detail::pg_span(out)); }
+  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
+  void reduce_scatter(In&& in, Out&& out, Op op = {}) { reduce_scatter(detail::pg_const_span(in), detail::pg_span(out), op); }
+  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
+  work reduce_scatter_async(In&& in, Out&& out, Op op = {}) {
+    return reduce_scatter_async(detail::pg_const_span(in), detail::pg_span(out), op);
+  }
+  template <detail::pg_any_range In, detail::pg_any_range Out>
+  void all_to_all(In&& in, Out&& out) { all_to_all(detail::pg_const_span(in), detail::pg_span(out)); }
+  template <detail::pg_any_range R>
+  void send(R&& data, int peer) { send(detail::pg_const_span(data), peer); }
+  template <detail::pg_range R>
+  void recv(R&& data, int peer) { recv(detail::pg_span(data), peer); }
+
+  // --- memory ----------------------------------------------------------------------------------
+  /// n elements that every same-host rank can address when the backend can provide such
+  /// memory (collectives on it need no copy-in); an ordinary std::vector<T> otherwise.
+  template <dtype_like T>
+  auto allocate(std::size_t n) {
+    if constexpr (detail::pg_has_allocate<B, T>) return live().backend.template allocate<T>(n);
+    else return std::vector<T>(n);
+  }
+
+  // --- sub-groups ------------------------------------------------------------------------------
+  /// A group of the given ranks of this group (sorted; duplicates are an error). Every rank of
+  /// this group calls it, in the same order; non-members get an invalid group.
+  process_group new_group(std::vector<int> ranks) {
+    state& s = live();
+    std::sort(ranks.begin(), ranks.end());
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      if (ranks[i] < 0 || ranks[i] >= s.size) {
+        throw error(errc::invalid_argument, "new_group: rank " + std::to_string(ranks[i]) + " is not in this group of size " + std::to_string(s.size),
+                    {.rank = s.rank, .op = "new_group"});
+      }
+      if (i > 0 && ranks[i] == ranks[i - 1]) {
+        throw error(errc::invalid_argument, "new_group: rank " + std::to_string(ranks[i]) + " is listed twice", {.rank = s.rank, .op = "new_group"});
+      }
+    }
+    if (ranks.empty()) throw error(errc::invalid_argument, "new_group: the list of ranks is empty", {.rank = s.rank, .op = "new_group"});
+    if constexpr (!detail::pg_has_split<B>) {
+      throw error(errc::unavailable, std::string("new_group: backend '") + std::string(backend_name()) + "' cannot build sub-groups (it has no split(ranks, tag))",
+                  {.rank = s.rank, .op = "new_group"});
+    } else {
+      exclusive_section section(s);  // after the queued collectives, never concurrently with one
+      const std::string tag = "g" + std::to_string(s.subgroups++);
+      if (!std::binary_search(ranks.begin(), ranks.end(), s.rank)) return process_group();
+      return process_group(s.backend.split(std::span<const int>(ranks), tag), group_options{.timeout = timeout()});
+    }
+  }
+
+ private:
+  using runner = std::function<void(const collective_desc&, deadline)>;
+
+  struct task {
+    collective_desc desc;
+    std::size_t bytes = 0;
+    runner run;
+    std::shared_ptr<detail::work_state> work;
+  };
+
+  struct state {
+    state(B b, group_options opts)
+        : backend(std::move(b)),
+          rank(static_cast<int>(backend.rank())),
+          size(static_cast<int>(backend.size())),
+          timeout_ms(opts.timeout.count()),
+          watchdog([this]() noexcept { backend.abort(); }, opts.timeout) {
+      if (opts.timeout <= std::chrono::milliseconds::zero()) {
+        throw error(errc::invalid_argument, "group timeout of " + std::to_string(opts.timeout.count()) + " ms: it must be positive",
+                    {.rank = rank});
+      }
+    }
+    state(const state&) = delete;
+    state& operator=(const state&) = delete;
+    ~state() {
+      std::thread t;
+      {
+        std::lock_guard lock(mutex);
+        stopping = true;
+        t = std::move(comm);
+      }
+      changed.notify_all();
+      if (t.joinable()) t.join();
+    }
+
+    B backend;
+    int rank;
+    int size;
+    std::atomic<std::int64_t> timeout_ms;
+
+    mutable std::mutex mutex;
+    std::condition_variable changed;
+    std::deque<task> queue;
+    bool busy = false;  // a collective is executing (on the communication or a calling thread)
+    bool stopping = false;
+    std::thread comm;
+    std::uint64_t seq = 0;
+    std::uint64_t subgroups = 0;
+    std::optional<error> failure;  // the first error; the group is broken from then on
+    std::atomic<bool> is_broken{false};
+
+    mutable std::mutex stats_mutex;
+    group_stats stats;
+    std::uint64_t tokens = 0;  // watchdog tokens, touched only by the executing thread
+
+    detail::pg_watchdog watchdog;  // last: stopped first, while the backend still exists
+  };
+
+  // Holds `busy` for the calling thread once the queue is drained.
+  struct exclusive_section {
+    explicit exclusive_section(state& st) : s(st) {
+      std::unique_lock lock(s.mutex);
+      s.changed.wait(lock, [&] { return s.queue.empty() && !s.busy; });
+      s.busy = true;
+    }
+    exclusive_section(const exclusive_section&) = delete;
+    exclusive_section& operator=(const exclusive_section&) = delete;
+    ~exclusive_section() {
+      {
+        std::lock_guard lock(s.mutex);
+        s.busy = false;
+      }
+      s.changed.notify_all();
+    }
+    state& s;
+  };
+
+  state& live() const {
+    if (!s_) {
+      throw error(errc::invalid_argument,
+                  "this process is not a member of the group (an invalid group, e.g. from new_group() on a non-member rank)");
+    }
+    return *s_;
+  }
+
+  template <class T>
+  collective_desc describe(collective op, std::size_t count, reduce_kind reduction = reduce_kind::sum, int root = -1) const {
+    static_assert(supports_dtype_v<B, std::remove_cv_t<T>>, "this backend does not support the element type");
+    live();
+    return collective_desc{.seq = 0, .op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .count = count};
+  }
+
+  // --- argument checks --------------------------------------------------------------------
+  error_context call_context(collective op) const { return {.rank = rank(), .op = std::string(to_string(op))}; }
+
+  void check_rank(collective op, const char* what, int r) const {
+    if (r < 0 || r >= live().size) {
+      throw error(errc::invalid_argument,
+                  std::string(what) + " " + std::to_string(r) + " is out of range: the group has ranks 0.." + std::to_string(live().size - 1),
+                  call_context(op));
+    }
+  }
+  void check_peer(collective op, int peer) const {
+    check_rank(op, "peer", peer);
+    if (peer == live().rank) throw error(errc::invalid_argument, "peer " + std::to_string(peer) + " is this rank itself", call_context(op));
+  }
+  void check_same_size(collective op, std::size_t in, std::size_t out) const {
+    if (in != out) {
+      throw error(errc::invalid_argument, "out has " + std::to_string(out) + " elements, in has " + std::to_string(in) + ": they must be equal",
+                  call_context(op));
+    }
+  }
+  void check_scaled(collective op, const char* big, std::size_t big_n, const char* small, std::size_t small_n) const {
+    const auto p = static_cast<std::size_t>(live().size);
+    if (big_n != small_n * p) {
+      throw error(errc::invalid_argument,
+                  std::string(big) + " has " + std::to_string(big_n) + " elements, expected " + small + ".size() * size() = " +
+                      std::to_string(small_n) + " * " + std::to_string(p) + " = " + std::to_string(small_n * p),
+                  call_context(op));
+    }
+  }
+  void check_all_to_all(std::size_t in, std::size_t out) const {
+    check_same_size(collective::all_to_all, in, out);
+    const auto p = static_cast<std::size_t>(live().size);
+    if (in % p != 0) {
+      throw error(errc::invalid_argument,
+                  "in has " + std::to_string(in) + " elements, not a multiple of the group size " + std::to_string(p) + " (equal blocks per rank)",
+                  call_context(collective::all_to_all));
+    }
+  }
+
+  // --- the calls into the backend (run at execution time, with the sequenced desc) --------
+  template <class T, class Op>
+  runner all_reduce_call(std::span<T> data, Op op) {
+    return [st = s_.get(), data, op](const collective_desc& d, deadline until) { backend_all_reduce(*st, data, op, d, until); };
+  }
+  template <class T, class Op>
+  runner all_reduce_call(std::span<const T> in, std::span<T> out, Op op) {
+    if (in.data() != out.data() && detail::pg_overlap(in, out)) {
+      throw error(errc::invalid_argument, "in and out overlap partially: pass the same span for in-place", call_context(collective::all_reduce));
+    }
+    return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
+      if (in.data() != out.data() && !in.empty()) std::memcpy(out.data(), in.data(), in.size_bytes());
+      backend_all_reduce(*st, out, op, d, until);
+    };
+  }
+  template <class T, class Op>
+  static void backend_all_reduce(state& s, std::span<T> data, Op op, const collective_desc& d, deadline until) {
+    if constexpr (detail::pg_ext_all_reduce<B, T, Op>) s.backend.all_reduce(data, op, d, until);
+    else s.backend.all_reduce(data, op);
+  }
+
+  template <class T>
+  runner broadcast_call(std::span<T> data, int root) {
+    return [st = s_.get(), data, root](const collective_desc& d, deadline until) {
+      if constexpr (detail::pg_ext_broadcast<B, T>) st->backend.broadcast(data, root, d, until);
+      else st->backend.broadcast(data, root);
+    };
+  }
+
+  template <class T, class Op>
+  runner reduce_call(std::span<T> data, int root, Op op) {
+    return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
+      if constexpr (detail::pg_ext_reduce<B, T, Op>) st->backend.reduce(data, root, op, d, until);
+      else if constexpr (detail::pg_plain_reduce<B, T, Op>) st->backend.reduce(data, root, op);
+      else backend_all_reduce(*st, data, op, d, until);  // every rank gets the result: a valid reduce
+    };
+  }
+
+  template <class T>
+  runner all_gather_call(std::span<const T> in, std::span<T> out) {
+    return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
+      std::vector<std::remove_cv_t<T>> copy;
+      std::span<const T> src = in;
+      if (detail::pg_overlap(in, out)) {  // e.g. in is this rank's slice of out
+        copy.assign(in.begin(), in.end());
+        src = copy;
+      }
+      if constexpr (detail::pg_ext_all_gather<B, T>) st->backend.all_gather(src, out, d, until);
+      else st->backend.all_gather(src, out);
+    };
+  }
+
+  template <class T, class Op>
+  runner reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
+    return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
+      std::vector<std::remove_cv_t<T>> copy;
+      std::span<const T> src = in;
+      if (detail::pg_overlap(in, out)) {
+        copy.assign(in.begin(), in.end());
+        src = copy;
+      }
+      if constexpr (detail::pg_ext_reduce_scatter<B, T, Op>) st->backend.reduce_scatter(src, out, op, d, until);
+      else st->backend.reduce_scatter(src, out, op);
+    };
+  }
+
+  template <class T>
+  runner all_to_all_call(std::span<const T> in, std::span<T> out) {
+    return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
+      using V = std::remove_cv_t<T>;
+      std::vector<V> copy;
+      std::span<const T> src = in;
+      if (detail::pg_overlap(in, out)) {
+        copy.assign(in.begin(), in.end());
+        src = copy;
+      }
+      if constexpr (detail::pg_ext_all_to_all<B, T>) {
+        st->backend.all_to_all(src, out, d, until);
+      } else if constexpr (detail::pg_plain_all_to_all<B, T>) {
+        st->backend.all_to_all(src, out);
+      } else {
+        // Through all_gather: p times the traffic, but any backend can do it.
+        const auto p = static_cast<std::size_t>(st->size);
+        const std::size_t block = src.size() / p;
+        const auto me = static_cast<std::size_t>(st->rank);
+        std::vector<V> everything(src.size() * p);
+        if constexpr (detail::pg_ext_all_gather<B, T>) st->backend.all_gather(src, std::span<V>(everything), d, until);
+        else st->backend.all_gather(src, std::span<V>(everything));
+        for (std::size_t j = 0; j < p; ++j) {
+          std::copy_n(everything.begin() + static_cast<std::ptrdiff_t>(j * src.size() + me * block), block,
+                      out.begin() + static_cast<std::ptrdiff_t>(j * block));
+        }
+      }
+    };
+  }
+
+  runner barrier_call() {
+    return [st = s_.get()](const collective_desc& d, deadline until) {
+      if constexpr (detail::pg_ext_barrier<B>) st->backend.barrier(d, until);
+      else st->backend.barrier();
+    };
+  }
+
+  template <class T>
+  runner send_call(std::span<const T> data, int peer) {
+    if constexpr (!detail::pg_ext_send<B, T> && !detail::pg_plain_send<B, T>) {
+      throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::send));
+    }
+    return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
+      if constexpr (detail::pg_ext_send<B, T>) st->backend.send(data, peer, d, until);
+      else if constexpr (detail::pg_plain_send<B, T>) st->backend.send(data, peer);
+    };
+  }
+  template <class T>
+  runner recv_call(std::span<T> data, int peer) {
+    if constexpr (!detail::pg_ext_recv<B, T> && !detail::pg_plain_recv<B, T>) {
+      throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::recv));
+    }
+    return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
+      if constexpr (detail::pg_ext_recv<B, T>) st->backend.recv(data, peer, d, until);
+      else if constexpr (detail::pg_plain_recv<B, T>) st->backend.recv(data, peer);
+    };
+  }
+
+  // --- execution ---------------------------------------------------------------------------
+  error fail_fast(const collective_desc& desc) const { return fail_fast_of(*s_, desc); }
+
+  // A blocking call: after the queued collectives, on this thread.
+  void run(collective_desc desc, std::size_t bytes, const runner& fn) {
+    state& s = *s_;
+    {
+      std::unique_lock lock(s.mutex);
+      s.changed.wait(lock, [&] { return s.queue.empty() && !s.busy; });
+      if (s.failure) throw fail_fast(desc);
+      desc.seq = s.seq++;
+      s.busy = true;
+    }
+    struct release {
+      state& s;
+      ~release() {
+        {
+          std::lock_guard lock(s.mutex);
+          s.busy = false;
+        }
+        s.changed.notify_all();
+      }
+    } released{s};
+    execute_on(s, desc, bytes, fn, nullptr);
+  }
+
+  work submit(collective_desc desc, std::size_t bytes, runner fn) {
+    state& s = *s_;
+    auto ws = std::make_shared<detail::work_state>();
+    ws->rank = s.rank;
+    {
+      std::lock_guard lock(s.mutex);
+      if (s.failure) throw fail_fast(desc);
+      desc.seq = s.seq++;
+      ws->desc = desc;
+      s.queue.push_back(task{desc, bytes, std::move(fn), ws});
+      if (!s.comm.joinable()) s.comm = std::thread([st = s_.get()] { communication_loop(*st); });
+    }
+    s.changed.notify_all();
+    return work(std::move(ws));
+  }
+
+  // The communication thread. It must not touch `this` (the process_group may have been
+  // moved); everything it needs is in the state, so execute() is static in spirit.
+  static void communication_loop(state& s) {
+    std::unique_lock lock(s.mutex);
+    while (true) {
+      s.changed.wait(lock, [&] { return (!s.queue.empty() && !s.busy) || (s.stopping && s.queue.empty()); });
+      if (s.queue.empty()) return;
+      task t = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.busy = true;
+      const bool broken_before = s.failure.has_value();
+      lock.unlock();
+      std::exception_ptr failure;
+      try {
+        if (broken_before) throw fail_fast_of(s, t.desc);
+        execute_on(s, t.desc, t.bytes, t.run, t.work.get());
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      t.run = nullptr;  // drop captured buffers before the waiter resumes
+      t.work->complete(failure);
+      lock.lock();
+      s.busy = false;
+      s.changed.notify_all();
+    }
+  }
+
+  static error fail_fast_of(const state& s, const collective_desc& desc) {
+    const error& first = *s.failure;
+    return error(first.code(), "the group is unusable after an earlier failure: " + std::string(first.what()), desc.context(s.rank));
+  }
+
+  static std::chrono::milliseconds watchdog_grace(std::chrono::milliseconds timeout) {
+    // A backend that enforces deadlines throws at the deadline by itself; the watchdog only
+    // steps in when it did not, a little later.
+    if constexpr (detail::pg_enforces_deadlines<B>) {
+      return std::clamp(timeout / 4, std::chrono::milliseconds(200), std::chrono::milliseconds(10000));
+    } else {
+      return std::chrono::milliseconds(0);
+    }
+  }
+
+  static void execute_on(state& s, const collective_desc& desc, std::size_t bytes, const runner& fn, detail::work_state* ws) {
+    const std::chrono::milliseconds timeout(s.timeout_ms.load());
+    const deadline until = deadline::after(timeout);
+    const deadline fire_at = deadline::after(timeout + watchdog_grace(timeout));
+    const std::uint64_t token = ++s.tokens;
+    // A waiter gives up on a backend that ignores abort() a while after the watchdog fired.
+    if (ws) ws->started(deadline::after(timeout + watchdog_grace(timeout) + std::chrono::seconds(2)));
+    s.watchdog.begin(token, fire_at);
+    const auto start = clock::now();
+    std::optional<error> failure;
+    try {
+      fn(desc, until);
+    } catch (const error& e) {
+      failure = e.context().op.empty() ? e.with_context(desc.context(s.rank)) : e;
+    } catch (const std::exception& e) {
+      failure = error(errc::internal, std::string("the backend threw: ") + e.what(), desc.context(s.rank));
+    } catch (...) {
+      failure = error(errc::internal, "the backend threw a non-standard exception", desc.context(s.rank));
+    }
+    s.watchdog.end();
+    const auto elapsed = clock::now() - start;
+    if (s.watchdog.tripped(token)) {
+      std::string message = "not completed within the group timeout of " + std::to_string(timeout.count()) + " ms; the backend was aborted";
+      if constexpr (detail::pg_has_missing_ranks<B>) {
+        const std::vector<int> missing = s.backend.missing_ranks();
+        if (!missing.empty()) {
+          message += "; ranks that did not arrive: ";
+          for (std::size_t i = 0; i < missing.size(); ++i) message += (i ? ", " : "") + std::to_string(missing[i]);
+        }
+      }
+      if (failure && failure->code() != errc::timeout) message += " (the backend then reported: " + failure->message() + ")";
+      failure = error(errc::timeout, message, desc.context(s.rank));
+    }
+    {
+      std::lock_guard lock(s.stats_mutex);
+      auto& st = s.stats[desc.op];
+      ++st.calls;
+      st.bytes += bytes;
+      st.time += std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
+      if (failure) ++st.failures;
+    }
+    if (failure) {
+      {
+        std::lock_guard lock(s.mutex);
+        if (!s.failure) s.failure = *failure;
+      }
+      s.is_broken.store(true);
+      throw *failure;
+    }
+  }
+
+  std::unique_ptr<state> s_;
+};
+
+}  // namespace ddp
