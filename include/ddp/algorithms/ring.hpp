@@ -1,0 +1,269 @@
+#pragma once
+// Ring algorithms over any ddp::transport (bandwidth-optimal for large messages):
+//  - ring_reduce_scatter / ring_all_gather / ring_all_reduce (reduce-scatter then all-gather),
+//  - ring_reduce (reduce-scatter, then the blocks are gathered at the root),
+//  - chain_broadcast (a pipelined chain from the root along the ring).
+//
+// Layout: the buffer is cut into p blocks (block_layout); rank r ends the reduce-scatter owning
+// block r. Each block is cut into chunks; the reduction of chunk c runs while chunk c + 1 is in
+// flight (from the transport's progress hook; two receive buffers). Each element is reduced
+// exactly once along the ring in a fixed order and then copied, so all_reduce gives bit-identical
+// results on every rank. float16 / bfloat16 partial sums travel as float32 (accumulate_t), so
+// precision is that of one rounding at the end, not one per hop; the all-gather moves the
+// element type. A rank sends about 2 (p - 1) / p of the buffer in an all_reduce.
+//
+// Mismatch: the collective header goes with the first chunk to the next rank, and the header from
+// the previous rank is checked before any byte of its payload is used. Callers (ring_communicator)
+// abort the transport on any error so ranks further along the ring see peer_lost instead of hanging.
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "ddp/algorithms/exchange.hpp"
+#include "ddp/core/collective.hpp"
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/dtype.hpp"
+#include "ddp/core/reduce_op.hpp"
+
+namespace ddp::algo {
+
+namespace detail {
+
+/// The reduce-scatter phase. Reads `in` (count elements), leaves rank r's block fully reduced and
+/// finished in `own` (block r's size). With `in_place` (only when E is its own accumulation type)
+/// partial sums are kept in `in` itself, which must then be writable (all_reduce's buffer).
+template <class T, dtype_like E, reduce_op Op>
+void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_place, Op op, const collective_desc& d,
+                          deadline dl, const algo_options& o) {
+  using W = accumulate_t<E>;
+  const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
+  const block_layout blocks{count, p};
+  in_place = in_place && std::is_same_v<W, E>;
+  const std::size_t largest = blocks.largest();
+  const std::size_t nchunks = chunk_count(largest, sizeof(W), o);
+  const std::size_t chunk_max = (largest + nchunks - 1) / nchunks;
+  std::vector<W> rbuf[2] = {std::vector<W>(chunk_max), std::vector<W>(chunk_max)};
+  std::vector<W> partial[2];
+  if (!in_place) partial[0].resize(largest), partial[1].resize(largest);
+  // Where step s keeps the partial sums of the block it receives.
+  auto partial_of = [&](int s, int block) -> W* {
+    if (in_place) return reinterpret_cast<W*>(const_cast<E*>(in)) + blocks.begin(block);
+    return partial[s % 2].data();
+  };
+  // Step 0 sends this rank's own input of block r - 1, widened when needed.
+  const W* first_send = nullptr;
+  if constexpr (std::is_same_v<W, E>) {
+    first_send = in + blocks.begin(mod(r - 1, p));
+  } else {
+    const int b = mod(r - 1, p);
+    for (std::size_t i = 0; i < blocks.size(b); ++i) partial[1][i] = widen(in[blocks.begin(b) + i]);
+    first_send = partial[1].data();
+  }
+
+  header_check hdr(d, r);
+  struct pending_reduce {
+    bool armed = false;
+    int step = 0;
+    std::size_t chunk = 0;
+  } pending;
+  auto reduce_chunk = [&](int s, std::size_t c) {
+    const int block = mod(r - s - 2, p);
+    const std::size_t len = blocks.size(block);
+    const std::size_t a = chunk_first(len, nchunks, c), b = chunk_first(len, nchunks, c + 1);
+    const W* got = rbuf[c % 2].data();
+    const E* mine = in + blocks.begin(block);
+    if (s == p - 2) {  // the last step: this rank's own block is complete
+      for (std::size_t i = a; i < b; ++i) own[i] = narrow<E>(op.finish(op(got[i - a], widen(mine[i])), p));
+    } else {
+      W* dst = partial_of(s, block);
+      for (std::size_t i = a; i < b; ++i) dst[i] = op(got[i - a], widen(mine[i]));
+    }
+  };
+  auto flush = [&] {
+    if (pending.armed) {
+      pending.armed = false;
+      reduce_chunk(pending.step, pending.chunk);
+    }
+  };
+  auto progress = [&](std::size_t received) {
+    hdr.on_progress(received);
+    if (!hdr.pending) flush();
+  };
+
+  for (int s = 0; s < p - 1; ++s) {
+    flush();  // the next step sends what the last chunk of this step produced
+    const int send_block = mod(r - s - 1, p), recv_block = mod(r - s - 2, p);
+    const W* send_base = s == 0 ? first_send : partial_of(s - 1, send_block);
+    const std::size_t send_len = blocks.size(send_block), recv_len = blocks.size(recv_block);
+    for (std::size_t c = 0; c < nchunks; ++c) {
+      const std::size_t sa = chunk_first(send_len, nchunks, c), sb = chunk_first(send_len, nchunks, c + 1);
+      const std::size_t ra = chunk_first(recv_len, nchunks, c), rb = chunk_first(recv_len, nchunks, c + 1);
+      const bool first = s == 0 && c == 0;
+      send_piece out[2];
+      recv_piece inp[2];
+      std::size_t no = 0, ni = 0;
+      if (first) out[no++] = hdr.out(), inp[ni++] = hdr.in(prev);
+      out[no++] = bytes_of(send_base + sa, sb - sa);
+      inp[ni++] = bytes_of(rbuf[c % 2].data(), rb - ra);
+      exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(inp, ni), dl, progress);
+      hdr.check();  // no-op unless the transport completed without calling back
+      flush();      // the previous chunk, when the transport never had to wait
+      pending = {true, s, c};
+    }
+  }
+  flush();
+}
+
+/// The all-gather phase over `data` (count elements, block r filled): afterwards every block is.
+/// `hdr` non-null: the header travels with the first chunk (all_gather as its own collective).
+template <class T, dtype_like E>
+void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadline dl, const algo_options& o) {
+  const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
+  const block_layout blocks{count, p};
+  const std::size_t nchunks = chunk_count(blocks.largest(), sizeof(E), o);
+  auto progress = [&](std::size_t received) {
+    if (hdr != nullptr) hdr->on_progress(received);
+  };
+  for (int s = 0; s < p - 1; ++s) {
+    const int send_block = mod(r - s, p), recv_block = mod(r - s - 1, p);
+    const std::size_t send_len = blocks.size(send_block), recv_len = blocks.size(recv_block);
+    E* send_base = data + blocks.begin(send_block);
+    E* recv_base = data + blocks.begin(recv_block);
+    for (std::size_t c = 0; c < nchunks; ++c) {
+      const std::size_t sa = chunk_first(send_len, nchunks, c), sb = chunk_first(send_len, nchunks, c + 1);
+      const std::size_t ra = chunk_first(recv_len, nchunks, c), rb = chunk_first(recv_len, nchunks, c + 1);
+      send_piece out[2];
+      recv_piece inp[2];
+      std::size_t no = 0, ni = 0;
+      if (hdr != nullptr && s == 0 && c == 0) out[no++] = hdr->out(), inp[ni++] = hdr->in(prev);
+      out[no++] = bytes_of(send_base + sa, sb - sa);
+      inp[ni++] = bytes_of(recv_base + ra, rb - ra);
+      exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(inp, ni), dl, progress);
+      if (hdr != nullptr) hdr->check();
+    }
+  }
+}
+
+}  // namespace detail
+
+/// In-place all_reduce: ring reduce-scatter, then ring all-gather.
+template <class T, dtype_like E, reduce_op Op>
+void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
+  const block_layout blocks{data.size(), t.size()};
+  const int r = t.rank();
+  if constexpr (std::is_same_v<accumulate_t<E>, E>) {
+    detail::reduce_scatter_phase(t, data.data(), data.size(), data.data() + blocks.begin(r), true, op, d, dl, o);
+  } else {
+    std::vector<E> own(blocks.size(r));
+    detail::reduce_scatter_phase(t, data.data(), data.size(), own.data(), false, op, d, dl, o);
+    std::copy(own.begin(), own.end(), data.begin() + static_cast<std::ptrdiff_t>(blocks.begin(r)));
+  }
+  detail::all_gather_phase(t, data.data(), data.size(), nullptr, dl, o);
+}
+
+/// reduce_scatter: in = size * out; this rank gets block `rank` of the reduction.
+template <class T, dtype_like E, reduce_op Op>
+void ring_reduce_scatter(T& t, std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl,
+                         const algo_options& o = {}) {
+  // Equal blocks: in.size() == size * out.size(), so block_layout puts block r exactly at r * out.size().
+  detail::reduce_scatter_phase(t, in.data(), in.size(), out.data(), false, op, d, dl, o);
+}
+
+/// all_gather: out = size * in, rank-major.
+template <class T, dtype_like E>
+void ring_all_gather(T& t, std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl,
+                     const algo_options& o = {}) {
+  std::copy(in.begin(), in.end(), out.begin() + static_cast<std::ptrdiff_t>(in.size() * static_cast<std::size_t>(t.rank())));
+  header_check hdr(d, t.rank());
+  detail::all_gather_phase(t, out.data(), out.size(), &hdr, dl, o);
+}
+
+/// reduce to `root`: ring reduce-scatter into a scratch block, then every block goes to the root.
+/// Buffers of ranks other than the root are left unchanged.
+template <class T, dtype_like E, reduce_op Op>
+void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
+  const int p = t.size(), r = t.rank();
+  const block_layout blocks{data.size(), p};
+  std::vector<E> own(blocks.size(r));
+  detail::reduce_scatter_phase(t, data.data(), data.size(), own.data(), false, op, d, dl, o);
+  auto none = [](std::size_t) {};
+  if (r != root) {
+    const send_piece out[1] = {bytes_of(own.data(), own.size())};
+    exchange(t, root, std::span<const send_piece>(out), -1, {}, dl, none);
+    return;
+  }
+  for (int k = 0; k < p; ++k) {
+    if (k == root) continue;
+    const recv_piece in[1] = {bytes_of(data.data() + blocks.begin(k), blocks.size(k))};
+    exchange(t, -1, {}, k, std::span<const recv_piece>(in), dl, none);
+  }
+  std::copy(own.begin(), own.end(), data.begin() + static_cast<std::ptrdiff_t>(blocks.begin(r)));
+}
+
+/// broadcast from `root` along the ring r -> r + 1 -> ..., pipelined by chunks: a rank forwards
+/// chunk c while receiving chunk c + 1. The last rank sends its header back to the root, so every
+/// rank checks one header (two ranks that both believe they are the root are told so).
+template <class T, dtype_like E>
+void chain_broadcast(T& t, std::span<E> data, int root, const collective_desc& d, deadline dl, const algo_options& o = {}) {
+  const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
+  const int pos = mod(r - root, p);  // position in the chain: 0 is the root, p - 1 the last
+  const std::size_t n = data.size();
+  const std::size_t nchunks = chunk_count(n, sizeof(E), o);
+  auto chunk = [&](std::size_t c) { return std::pair{chunk_first(n, nchunks, c), chunk_first(n, nchunks, c + 1)}; };
+  header_check hdr(d, r);
+  auto progress = [&](std::size_t received) { hdr.on_progress(received); };
+  E* base = data.data();
+  if (pos == 0) {
+    for (std::size_t c = 0; c < nchunks; ++c) {
+      const auto [a, b] = chunk(c);
+      send_piece out[2];
+      std::size_t no = 0;
+      if (c == 0) out[no++] = hdr.out();
+      out[no++] = bytes_of(base + a, b - a);
+      if (c == 0) {
+        const recv_piece in[1] = {hdr.in(prev)};
+        exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(in), dl, progress);
+        hdr.check();
+      } else {
+        exchange(t, next, std::span<const send_piece>(out, no), -1, {}, dl, progress);
+      }
+    }
+    return;
+  }
+  // Receive the header and chunk 0; the last rank sends its header on to the root meanwhile.
+  {
+    const auto [a, b] = chunk(0);
+    const recv_piece in[2] = {hdr.in(prev), bytes_of(base + a, b - a)};
+    const send_piece out[1] = {hdr.out()};
+    const bool last = pos == p - 1;
+    exchange(t, last ? next : -1, std::span<const send_piece>(out, last ? 1 : 0), prev, std::span<const recv_piece>(in), dl, progress);
+    hdr.check();
+  }
+  if (pos == p - 1) {
+    for (std::size_t c = 1; c < nchunks; ++c) {
+      const auto [a, b] = chunk(c);
+      const recv_piece in[1] = {bytes_of(base + a, b - a)};
+      exchange(t, -1, {}, prev, std::span<const recv_piece>(in), dl, progress);
+    }
+    return;
+  }
+  for (std::size_t c = 0; c < nchunks; ++c) {
+    const auto [a, b] = chunk(c);
+    send_piece out[2];
+    std::size_t no = 0;
+    if (c == 0) out[no++] = hdr.out();
+    out[no++] = bytes_of(base + a, b - a);
+    if (c + 1 < nchunks) {
+      const auto [a2, b2] = chunk(c + 1);
+      const recv_piece in[1] = {bytes_of(base + a2, b2 - a2)};
+      exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(in), dl, progress);
+    } else {
+      exchange(t, next, std::span<const send_piece>(out, no), -1, {}, dl, progress);
+    }
+  }
+}
+
+}  // namespace ddp::algo
