@@ -1,0 +1,300 @@
+#pragma once
+// The tcp_store wire protocol: encoders for the client and a pure, incremental parser for the
+// server (no sockets, no state: a span of bytes in, a verdict out), so it can be fuzzed alone.
+//
+// All integers are little endian.
+//   client hello   magic u32 "DDPS" | version u16 | reserved u16                          (8 bytes)
+//   server hello   magic u32 | version u16 | flags u16 (bit 0: token required) | nonce[32] (40 bytes)
+//   client proof   HMAC-SHA256(token, "ddp-store-auth-v1" | nonce), or 32 zero bytes without a token
+//   server verdict u8: 1 accepted, 0 refused (and the server closes)
+//   request        opcode u8 | key bytes u32 | value bytes u32 | key | value                 (9-byte header)
+//     set          key, value = the value
+//     get          key, value = timeout_ms u64 (the server answers `timeout` when it passes)
+//     add          key, value = delta i64
+//     compare_set  key, value = expected bytes u32 | expected | desired
+//     wait         no key, value = timeout_ms u64 | count u32 | (key bytes u32 | key) * count
+//     erase        key, no value
+//     num_keys     no key, no value
+//   response       status u8 | payload bytes u32 | payload
+//     ok: get/compare_set -> the value; add/num_keys -> i64; erase -> u8 existed; others empty
+//     timeout: count u32 | (key bytes u32 | key) * count, the keys still missing
+//     invalid_argument: a message
+// Lengths are checked against the limits as soon as the 9-byte header is in, so a hostile length
+// is refused before any payload is buffered.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ddp/store/detail/bytes.hpp"
+#include "ddp/store/store.hpp"
+
+namespace ddp::store::detail {
+
+inline constexpr std::uint32_t protocol_magic = 0x53504444u;  // the bytes "DDPS"
+inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::size_t client_hello_bytes = 8;
+inline constexpr std::size_t nonce_bytes = 32;
+inline constexpr std::size_t server_hello_bytes = 8 + nonce_bytes;
+inline constexpr std::size_t proof_bytes = 32;
+inline constexpr std::uint16_t flag_token_required = 1;
+inline constexpr std::string_view auth_context = "ddp-store-auth-v1";
+
+inline constexpr std::size_t request_header_bytes = 9;
+inline constexpr std::size_t response_header_bytes = 5;
+/// wait() lists many keys in its value; this bounds that list.
+inline constexpr std::size_t max_wait_bytes = max_value_bytes;
+inline constexpr std::size_t max_response_bytes = max_value_bytes + 16;
+
+enum class opcode : std::uint8_t { set = 1, get, add, compare_set, wait, erase, num_keys };
+enum class status : std::uint8_t { ok = 0, timeout = 1, invalid_argument = 2 };
+
+inline std::string_view to_string(opcode op) noexcept {
+  switch (op) {
+    case opcode::set: return "store.set";
+    case opcode::get: return "store.get";
+    case opcode::add: return "store.add";
+    case opcode::compare_set: return "store.compare_set";
+    case opcode::wait: return "store.wait";
+    case opcode::erase: return "store.erase";
+    case opcode::num_keys: return "store.num_keys";
+  }
+  return "store.?";
+}
+
+struct request {
+  opcode op{};
+  std::string key;                  // set, get, add, compare_set, erase
+  std::vector<std::byte> value;     // set: the value; compare_set: the desired value
+  std::vector<std::byte> expected;  // compare_set
+  std::int64_t delta = 0;           // add
+  std::uint64_t timeout_ms = 0;     // get, wait
+  std::vector<std::string> keys;    // wait
+};
+
+enum class parse_status { need_more, complete, invalid };
+
+struct parse_result {
+  parse_status status = parse_status::need_more;
+  std::size_t consumed = 0;  // bytes of the frame, when complete
+  request req;               // when complete
+  std::string reason;        // when invalid: why, for the server's log line
+};
+
+// ---- handshake -------------------------------------------------------------------------------
+
+inline std::vector<std::byte> encode_client_hello(std::uint16_t version = protocol_version) {
+  std::vector<std::byte> out;
+  put_le(out, protocol_magic);
+  put_le(out, version);
+  put_le(out, std::uint16_t{0});
+  return out;
+}
+
+/// Checks a client hello; an empty reason means it is acceptable.
+inline std::string check_client_hello(std::span<const std::byte> hello) {
+  if (hello.size() < client_hello_bytes) return "short hello";
+  if (get_le<std::uint32_t>(hello.data()) != protocol_magic) return "bad magic (not a ddp store client)";
+  const auto version = get_le<std::uint16_t>(hello.data() + 4);
+  if (version != protocol_version)
+    return "protocol version " + std::to_string(version) + ", server speaks " + std::to_string(protocol_version);
+  return {};
+}
+
+inline std::vector<std::byte> encode_server_hello(bool token_required, std::span<const std::byte, nonce_bytes> nonce) {
+  std::vector<std::byte> out;
+  put_le(out, protocol_magic);
+  put_le(out, protocol_version);
+  put_le(out, static_cast<std::uint16_t>(token_required ? flag_token_required : 0));
+  put_bytes(out, nonce);
+  return out;
+}
+
+// ---- requests ------------------------------------------------------------------------------
+
+inline std::vector<std::byte> encode_request(opcode op, std::string_view key, std::span<const std::byte> value) {
+  std::vector<std::byte> out;
+  out.reserve(request_header_bytes + key.size() + value.size());
+  put_le(out, static_cast<std::uint8_t>(op));
+  put_le(out, static_cast<std::uint32_t>(key.size()));
+  put_le(out, static_cast<std::uint32_t>(value.size()));
+  put_bytes(out, key);
+  put_bytes(out, value);
+  return out;
+}
+
+inline std::vector<std::byte> encode_get(std::string_view key, std::uint64_t timeout_ms) {
+  std::vector<std::byte> v;
+  put_le(v, timeout_ms);
+  return encode_request(opcode::get, key, v);
+}
+
+inline std::vector<std::byte> encode_add(std::string_view key, std::int64_t delta) {
+  std::vector<std::byte> v;
+  put_le(v, delta);
+  return encode_request(opcode::add, key, v);
+}
+
+inline std::vector<std::byte> encode_compare_set(std::string_view key, std::span<const std::byte> expected,
+                                                 std::span<const std::byte> desired) {
+  std::vector<std::byte> v;
+  v.reserve(4 + expected.size() + desired.size());
+  put_le(v, static_cast<std::uint32_t>(expected.size()));
+  put_bytes(v, expected);
+  put_bytes(v, desired);
+  return encode_request(opcode::compare_set, key, v);
+}
+
+inline std::vector<std::byte> encode_key_list(const std::vector<std::string>& keys) {
+  std::vector<std::byte> v;
+  put_le(v, static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) {
+    put_le(v, static_cast<std::uint32_t>(k.size()));
+    put_bytes(v, k);
+  }
+  return v;
+}
+
+inline std::vector<std::byte> encode_wait(const std::vector<std::string>& keys, std::uint64_t timeout_ms) {
+  std::vector<std::byte> v;
+  put_le(v, timeout_ms);
+  put_bytes(v, encode_key_list(keys));
+  return encode_request(opcode::wait, {}, v);
+}
+
+/// Decodes `count u32 | (len u32 | key)*` filling `keys`; false when malformed.
+inline bool decode_key_list(std::span<const std::byte> in, std::vector<std::string>& keys, std::string& reason) {
+  if (in.size() < 4) {
+    reason = "key list shorter than its count";
+    return false;
+  }
+  const auto count = get_le<std::uint32_t>(in.data());
+  std::size_t at = 4;
+  if (count > (in.size() - at) / 4) {
+    reason = "key list claims " + std::to_string(count) + " keys in " + std::to_string(in.size()) + " bytes";
+    return false;
+  }
+  keys.clear();
+  keys.reserve(count);
+  for (std::uint32_t i = 0; i < count; ++i) {
+    if (in.size() - at < 4) {
+      reason = "key list truncated";
+      return false;
+    }
+    const auto len = get_le<std::uint32_t>(in.data() + at);
+    at += 4;
+    if (len == 0 || len > max_key_bytes || len > in.size() - at) {
+      reason = "key " + std::to_string(i) + " of the list has a bad length " + std::to_string(len);
+      return false;
+    }
+    keys.emplace_back(reinterpret_cast<const char*>(in.data() + at), len);
+    at += len;
+  }
+  if (at != in.size()) {
+    reason = std::to_string(in.size() - at) + " stray bytes after the key list";
+    return false;
+  }
+  return true;
+}
+
+/// Parses one request frame at the start of `buf`. Pure: the same bytes always give the same verdict.
+inline parse_result parse_request(std::span<const std::byte> buf) {
+  parse_result r;
+  if (buf.size() < 1) return r;
+  const auto raw_op = std::to_integer<std::uint8_t>(buf[0]);
+  if (raw_op < static_cast<std::uint8_t>(opcode::set) || raw_op > static_cast<std::uint8_t>(opcode::num_keys)) {
+    r.status = parse_status::invalid;
+    r.reason = "unknown opcode " + std::to_string(raw_op);
+    return r;
+  }
+  const auto op = static_cast<opcode>(raw_op);
+  if (buf.size() < request_header_bytes) return r;
+  const std::size_t klen = get_le<std::uint32_t>(buf.data() + 1);
+  const std::size_t vlen = get_le<std::uint32_t>(buf.data() + 5);
+  auto invalid = [&](std::string why) {
+    r.status = parse_status::invalid;
+    r.reason = std::string(to_string(op)) + ": " + std::move(why);
+    return r;
+  };
+
+  const bool has_key = op != opcode::wait && op != opcode::num_keys;
+  if (has_key && (klen == 0 || klen > max_key_bytes))
+    return invalid("key of " + std::to_string(klen) + " bytes (must be 1 to " + std::to_string(max_key_bytes) + ")");
+  if (!has_key && klen != 0) return invalid("unexpected key of " + std::to_string(klen) + " bytes");
+  switch (op) {
+    case opcode::set:
+      if (vlen > max_value_bytes)
+        return invalid("value of " + std::to_string(vlen) + " bytes exceeds " + std::to_string(max_value_bytes));
+      break;
+    case opcode::get:
+    case opcode::add:
+      if (vlen != 8) return invalid("value of " + std::to_string(vlen) + " bytes, expected 8");
+      break;
+    case opcode::compare_set:
+      if (vlen < 4 || vlen > 4 + 2 * max_value_bytes)
+        return invalid("value of " + std::to_string(vlen) + " bytes is not an expected/desired pair within the limits");
+      break;
+    case opcode::wait:
+      if (vlen < 12 || vlen > max_wait_bytes) return invalid("key list of " + std::to_string(vlen) + " bytes");
+      break;
+    case opcode::erase:
+    case opcode::num_keys:
+      if (vlen != 0) return invalid("unexpected value of " + std::to_string(vlen) + " bytes");
+      break;
+  }
+  const std::size_t total = request_header_bytes + klen + vlen;
+  if (buf.size() < total) return r;
+
+  const auto* key = buf.data() + request_header_bytes;
+  const std::span<const std::byte> value(key + klen, vlen);
+  r.req.op = op;
+  r.req.key.assign(reinterpret_cast<const char*>(key), klen);
+  switch (op) {
+    case opcode::set:
+      r.req.value.assign(value.begin(), value.end());
+      break;
+    case opcode::get:
+      r.req.timeout_ms = get_le<std::uint64_t>(value.data());
+      break;
+    case opcode::add:
+      r.req.delta = get_le<std::int64_t>(value.data());
+      break;
+    case opcode::compare_set: {
+      const std::size_t elen = get_le<std::uint32_t>(value.data());
+      if (elen > vlen - 4) return invalid("expected value of " + std::to_string(elen) + " bytes overruns the frame");
+      if (elen > max_value_bytes || vlen - 4 - elen > max_value_bytes) return invalid("value exceeds the limit");
+      r.req.expected.assign(value.begin() + 4, value.begin() + 4 + static_cast<std::ptrdiff_t>(elen));
+      r.req.value.assign(value.begin() + 4 + static_cast<std::ptrdiff_t>(elen), value.end());
+      break;
+    }
+    case opcode::wait: {
+      r.req.timeout_ms = get_le<std::uint64_t>(value.data());
+      std::string why;
+      if (!decode_key_list(value.subspan(8), r.req.keys, why)) return invalid(why);
+      if (r.req.keys.empty()) return invalid("no keys to wait for");
+      break;
+    }
+    case opcode::erase:
+    case opcode::num_keys:
+      break;
+  }
+  r.status = parse_status::complete;
+  r.consumed = total;
+  return r;
+}
+
+// ---- responses -----------------------------------------------------------------------------
+
+inline std::vector<std::byte> encode_response(status s, std::span<const std::byte> payload) {
+  std::vector<std::byte> out;
+  out.reserve(response_header_bytes + payload.size());
+  put_le(out, static_cast<std::uint8_t>(s));
+  put_le(out, static_cast<std::uint32_t>(payload.size()));
+  put_bytes(out, payload);
+  return out;
+}
+
+}  // namespace ddp::store::detail

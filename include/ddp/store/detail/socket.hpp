@@ -1,0 +1,176 @@
+#pragma once
+// POSIX socket helpers for the tcp_store: an owning fd, address resolution and formatting,
+// connect-with-retry, and exact reads/writes bounded by a deadline. Every socket is
+// non-blocking and close-on-exec; waiting is poll() on the remaining time of the deadline.
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/error.hpp"
+
+namespace ddp::store::detail {
+
+class unique_fd {
+ public:
+  unique_fd() noexcept = default;
+  explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  unique_fd& operator=(unique_fd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  unique_fd(const unique_fd&) = delete;
+  unique_fd& operator=(const unique_fd&) = delete;
+  ~unique_fd() { reset(); }
+
+  int get() const noexcept { return fd_; }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+/// "host:port", with brackets for IPv6 literals.
+inline std::string host_port(const std::string& host, std::uint16_t port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+inline std::string format_address(const sockaddr* sa) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  std::uint16_t port = 0;
+  if (sa->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, text, sizeof text);
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof text);
+    port = ntohs(in6->sin6_port);
+  }
+  return host_port(text, port);
+}
+
+inline std::string peer_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  return format_address(reinterpret_cast<sockaddr*>(&ss));
+}
+
+struct addrinfo_deleter {
+  void operator()(addrinfo* a) const noexcept { ::freeaddrinfo(a); }
+};
+using addrinfo_ptr = std::unique_ptr<addrinfo, addrinfo_deleter>;
+
+/// getaddrinfo for TCP; the error names host:port and the resolver's reason.
+inline addrinfo_ptr resolve(const std::string& host, std::uint16_t port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* out = nullptr;
+  const auto service = std::to_string(port);
+  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out);
+  if (rc != 0) {
+    throw error(errc::config, "cannot resolve store address " + host_port(host, port) + ": " + ::gai_strerror(rc) +
+                                  " (check MASTER_ADDR)");
+  }
+  return addrinfo_ptr(out);
+}
+
+inline void set_nodelay(int fd) noexcept {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+/// poll() one fd for `events` until the deadline; returns revents, 0 on timeout.
+inline short poll_one(int fd, short events, const deadline& until) {
+  while (true) {
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, until.poll_timeout_ms());
+    if (rc > 0) return p.revents;
+    if (rc == 0) return 0;
+    if (errno != EINTR) throw error(errc::store, system_message("poll"));
+  }
+}
+
+/// One non-blocking connect attempt; returns the connected fd, or an empty one with `err` set.
+inline unique_fd try_connect(const addrinfo* ai, const deadline& until, int& err) {
+  unique_fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol));
+  if (!fd) {
+    err = errno;
+    return {};
+  }
+  if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) {
+      err = errno;
+      return {};
+    }
+    const short rev = poll_one(fd.get(), POLLOUT, until);
+    if (rev == 0) {
+      err = ETIMEDOUT;
+      return {};
+    }
+    int so_error = 0;
+    socklen_t len = sizeof so_error;
+    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &so_error, &len);
+    if (so_error != 0) {
+      err = so_error;
+      return {};
+    }
+  }
+  set_nodelay(fd.get());
+  return fd;
+}
+
+/// Connects, retrying refused/unreachable attempts until the deadline: ranks race at start-up,
+/// and the server may come up after its clients.
+inline unique_fd connect_with_retry(const std::string& host, std::uint16_t port, const deadline& until) {
+  int pause_ms = 10;
+  int last_err = 0;
+  std::string last_what = "no attempt made";
+  while (true) {
+    try {
+      const auto list = resolve(host, port, false);
+      for (const addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
+        int err = 0;
+        if (auto fd = try_connect(ai, until, err)) return fd;
+        last_err = err;
+        last_what = system_message("connect", err);
+      }
+    } catch (const error& e) {
+      last_what = e.message();  // the name may resolve later (DNS, /etc/hosts written at start-up)
+    }
+    if (until.expired()) {
+      throw error(errc::timeout, "could not connect to the store server " + host_port(host, port) + " before the deadline (" +
+                                     last_what + "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?",
+                  {.op = "store.connect", .backend_code = last_err});
+    }
+    const int left = until.poll_timeout_ms();
+    ::poll(nullptr, 0, left < 0 ? pause_ms : std::min(pause_ms, left));
+    pause_ms = std::min(pause_ms * 2, 200);
+  }
+}
+
+}  // namespace ddp::store::detail

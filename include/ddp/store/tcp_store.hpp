@@ -1,0 +1,519 @@
+#pragma once
+// tcp_store: the rendezvous store of a multi-process job (like torch's TCPStore).
+//
+// One process (rank 0, or the launcher) runs a tcp_store_server at MASTER_ADDR:MASTER_PORT;
+// every rank, the server's own process included, is a tcp_store client of it:
+//
+//   auto s = ddp::store::make_tcp_store(env.master_addr, env.master_port, rank == 0, timeout);
+//   s->set_string("rank0/addr", "...");   auto peer = s->get_string("rank1/addr");
+//
+// Server: one thread, poll() over non-blocking sockets with a buffer per connection, so a slow
+// or hostile client never holds up the others. get() of a missing key and wait() are parked
+// server side and answered when the keys appear (or the client's timeout passes): clients never
+// poll. It binds exactly the address it is given (127.0.0.1 by default) and refuses a wildcard
+// address (0.0.0.0, ::) unless a token is set. Port 0 picks a free port; port() tells which.
+// Protocol, limits and the parser: store/detail/frame.hpp; the protocol logic: detail/server_core.hpp.
+// A connection that sends a malformed, oversized or unauthenticated frame is closed with one
+// line on stderr (or options::log) naming the peer and the reason; the server keeps serving.
+//
+// Authentication: with a token (options::token, else the environment's DDP_STORE_TOKEN), the
+// server sends a random nonce and the client must answer HMAC-SHA256(token, context | nonce)
+// before any key traffic; the server compares in constant time. The token is never sent, logged
+// or put in an error message.
+//
+// Client: connects with retry until its deadline (the server may start after its clients), then
+// every call is bounded by timeout(). A server that goes away is errc::store at once ("store
+// server 127.0.0.1:29500 closed the connection"), not after the timeout; the client then stays
+// failed (no silent reconnect to a restarted server with none of the keys). Thread-safe: calls
+// from several threads are serialized on the one connection.
+
+#include <sys/random.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ddp/store/detail/frame.hpp"
+#include "ddp/store/detail/hmac_sha256.hpp"
+#include "ddp/store/detail/server_core.hpp"
+#include "ddp/store/detail/socket.hpp"
+#include "ddp/store/store.hpp"
+
+namespace ddp::store {
+
+using store_log_fn = std::function<void(const std::string&)>;
+
+namespace detail {
+
+/// options::token if set, else $DDP_STORE_TOKEN, else none ("").
+inline std::string resolve_token(const std::optional<std::string>& token) {
+  if (token) return *token;
+  const char* env = std::getenv("DDP_STORE_TOKEN");
+  return env != nullptr ? std::string(env) : std::string();
+}
+
+inline bool is_wildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "::" || host == "*"; }
+
+inline void random_bytes(std::span<std::byte> out) {
+  std::size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::getrandom(out.data() + done, out.size() - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw error(errc::store, system_message("getrandom"));
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace detail
+
+// ---- server ------------------------------------------------------------------------------
+
+class tcp_store_server {
+ public:
+  struct options {
+    std::string host = "127.0.0.1";
+    std::uint16_t port = 0;            // 0: pick a free port (see port())
+    std::optional<std::string> token;  // nullopt: $DDP_STORE_TOKEN; empty: no authentication
+    std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
+    store_log_fn log;  // default: "ddp: store server H:P: <reason>" on stderr
+  };
+
+  explicit tcp_store_server(options opts) : host_(opts.host) {
+    const std::string token = detail::resolve_token(opts.token);
+    const std::string wanted = detail::host_port(opts.host, opts.port);
+    if (detail::is_wildcard(opts.host) && token.empty()) {
+      throw error(errc::config, "refusing to listen on all interfaces (" + wanted +
+                                    ") without a token: set DDP_STORE_TOKEN, or give the address of one interface "
+                                    "(127.0.0.1 for a single host)");
+    }
+    listen_on(opts.host == "*" ? std::string() : opts.host, opts.port);
+    int pipe_fds[2];
+    if (::pipe2(pipe_fds, O_NONBLOCK | O_CLOEXEC) != 0) throw error(errc::store, system_message("pipe2"));
+    wake_read_.reset(pipe_fds[0]);
+    wake_write_.reset(pipe_fds[1]);
+    log_ = opts.log ? std::move(opts.log) : store_log_fn([addr = address()](const std::string& line) {
+      std::fprintf(stderr, "ddp: store server %s: %s\n", addr.c_str(), line.c_str());
+    });
+    core_ = std::make_unique<detail::server_core>(
+        detail::server_core::options{.token = token, .handshake_timeout = opts.handshake_timeout, .log = log_});
+    thread_ = std::thread([this] { run(); });
+  }
+
+  tcp_store_server(const tcp_store_server&) = delete;
+  tcp_store_server& operator=(const tcp_store_server&) = delete;
+
+  /// Stops serving: every client connection is closed (clients see errc::store).
+  ~tcp_store_server() {
+    stop_.store(true);
+    const char b = 1;
+    [[maybe_unused]] const auto n = ::write(wake_write_.get(), &b, 1);
+    if (thread_.joinable()) thread_.join();
+  }
+
+  std::uint16_t port() const noexcept { return port_; }
+  const std::string& host() const noexcept { return host_; }
+  std::string address() const { return detail::host_port(host_, port_); }
+
+ private:
+  void listen_on(const std::string& host, std::uint16_t port) {
+    const auto list = detail::resolve(host, port, true);
+    const std::string where = detail::host_port(host.empty() ? "0.0.0.0" : host, port);
+    int last = 0;
+    for (const addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
+      detail::unique_fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol));
+      if (!fd) {
+        last = errno;
+        continue;
+      }
+      // Lets a restarted job bind a port whose old connections are in TIME_WAIT; it does not
+      // let two live servers share a port on Linux.
+      int one = 1;
+      ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+        last = errno;
+        if (last == EADDRINUSE) {
+          throw error(errc::config,
+                      where + " is already in use (another job or a leftover process?): " + system_message("bind", last),
+                      {.op = "store.listen", .backend_code = last});
+        }
+        continue;
+      }
+      if (::listen(fd.get(), SOMAXCONN) != 0) {
+        last = errno;
+        continue;
+      }
+      sockaddr_storage ss{};
+      socklen_t len = sizeof ss;
+      ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+      port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+      listen_ = std::move(fd);
+      return;
+    }
+    throw error(errc::config, "cannot listen on " + where + ": " + system_message("bind", last) +
+                                  (last == EADDRNOTAVAIL ? " (that address is not on this host)" : ""),
+                {.op = "store.listen", .backend_code = last});
+  }
+
+  void run() noexcept {
+    try {
+      loop();
+    } catch (const std::exception& e) {
+      log_(std::string("server stopped: ") + e.what());
+    }
+    fds_.clear();  // closes every connection
+  }
+
+  void loop() {
+    std::vector<std::byte> chunk(std::size_t{256} << 10);
+    std::vector<pollfd> pfds;
+    std::vector<std::uint64_t> ids;
+    std::vector<std::uint64_t> dead;
+    while (!stop_.load()) {
+      pfds.clear();
+      ids.clear();
+      pfds.push_back({wake_read_.get(), POLLIN, 0});
+      const bool accepting = clock::now() >= accept_pause_until_;
+      pfds.push_back({accepting ? listen_.get() : -1, POLLIN, 0});
+      for (const auto& [id, fd] : fds_) {
+        short events = POLLRDHUP;
+        if (core_->wants_input(id)) events |= POLLIN;
+        if (!core_->output(id).empty()) events |= POLLOUT;
+        pfds.push_back({fd.get(), events, 0});
+        ids.push_back(id);
+      }
+      int timeout_ms = -1;
+      if (auto next = core_->next_deadline()) timeout_ms = deadline(*next).poll_timeout_ms();
+      if (!accepting) timeout_ms = timeout_ms < 0 ? 100 : std::min(timeout_ms, 100);
+      if (::poll(pfds.data(), pfds.size(), timeout_ms) < 0) {
+        if (errno == EINTR) continue;
+        throw error(errc::store, system_message("poll"));
+      }
+      if (stop_.load()) break;
+      const auto now = clock::now();
+      if (pfds[1].revents & POLLIN) accept_all(now);
+
+      dead.clear();
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const auto id = ids[i];
+        const short rev = pfds[i + 2].revents;
+        bool gone = false;
+        if ((rev & POLLIN) && core_->wants_input(id)) {
+          const ssize_t n = ::recv(pfds[i + 2].fd, chunk.data(), chunk.size(), 0);
+          if (n > 0) core_->receive(id, std::span(chunk.data(), static_cast<std::size_t>(n)), now);
+          else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) gone = true;
+        } else if (rev & (POLLERR | POLLHUP | POLLRDHUP)) {
+          gone = true;  // the peer is gone (our clients never half-close)
+        }
+        if (gone) dead.push_back(id);
+      }
+      for (const auto id : dead) drop(id);
+      core_->expire(clock::now());
+      flush_all();
+    }
+  }
+
+  void accept_all(clock::time_point now) {
+    for (int i = 0; i < 64; ++i) {
+      const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of descriptors: pause accepting instead of spinning on a readable listener.
+          log_(system_message("accept") + "; not accepting connections for 100 ms");
+          accept_pause_until_ = now + std::chrono::milliseconds(100);
+        }
+        return;
+      }
+      detail::set_nodelay(fd);
+      const auto id = next_id_++;
+      fds_.emplace(id, detail::unique_fd(fd));
+      std::array<std::byte, detail::nonce_bytes> nonce{};
+      detail::random_bytes(nonce);
+      core_->open(id, detail::peer_address(fd), nonce, now);
+    }
+  }
+
+  // Writes what each connection has queued, as far as its socket takes it; closes the ones the
+  // core gave up on once their last bytes (e.g. a refusal verdict) are out.
+  void flush_all() {
+    bool progress = true;
+    for (int round = 0; progress && round < 4; ++round) {  // writing may unpark and queue more
+      progress = false;
+      std::vector<std::uint64_t> dead;
+      for (const auto& [id, fd] : fds_) {
+        auto out = core_->output(id);
+        while (!out.empty()) {
+          const ssize_t n = ::send(fd.get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+          if (n > 0) {
+            core_->sent(id, static_cast<std::size_t>(n), clock::now());
+            progress = true;
+            out = core_->output(id);
+            continue;
+          }
+          if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+          if (n < 0 && errno == EINTR) continue;
+          dead.push_back(id);
+          break;
+        }
+        if (core_->closing(id)) dead.push_back(id);
+      }
+      for (const auto id : dead) drop(id);
+    }
+  }
+
+  void drop(std::uint64_t id) {
+    core_->close(id);
+    fds_.erase(id);
+  }
+
+  std::string host_;
+  std::uint16_t port_ = 0;
+  detail::unique_fd listen_;
+  detail::unique_fd wake_read_, wake_write_;
+  store_log_fn log_;
+  std::unique_ptr<detail::server_core> core_;
+  std::unordered_map<std::uint64_t, detail::unique_fd> fds_;
+  std::uint64_t next_id_ = 1;
+  clock::time_point accept_pause_until_{};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+// ---- client ------------------------------------------------------------------------------
+
+class tcp_store final : public store {
+ public:
+  using server = tcp_store_server;
+
+  struct options {
+    std::string host = "127.0.0.1";
+    std::uint16_t port = 29500;  // with is_server, 0 picks a free port (see port())
+    bool is_server = false;      // also run the server in this process (rank 0)
+    std::chrono::milliseconds timeout = default_timeout();  // connecting, and every call
+    std::optional<std::string> token;                       // nullopt: $DDP_STORE_TOKEN
+    store_log_fn log;                                       // the server's log, with is_server
+  };
+
+  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port) {
+    set_timeout(opts.timeout);
+    const std::string token = detail::resolve_token(opts.token);
+    if (opts.is_server) {
+      server_ = std::make_unique<tcp_store_server>(
+          tcp_store_server::options{.host = opts.host, .port = opts.port, .token = token, .log = std::move(opts.log)});
+      port_ = server_->port();
+    }
+    connect(token, deadline::after(opts.timeout));
+  }
+
+  tcp_store(const tcp_store&) = delete;
+  tcp_store& operator=(const tcp_store&) = delete;
+  ~tcp_store() override {
+    fd_.reset();  // close our connection before our server (if any) stops
+    server_.reset();
+  }
+
+  const std::string& host() const noexcept { return host_; }
+  std::uint16_t port() const noexcept { return port_; }
+  std::string address() const { return detail::host_port(host_, port_); }
+  /// The server this object runs (is_server), else null.
+  tcp_store_server* owned_server() noexcept { return server_.get(); }
+
+  void set(const std::string& key, std::span<const std::byte> value) override {
+    check_key(key);
+    check_value(value);
+    call(detail::opcode::set, detail::encode_request(detail::opcode::set, key, value), deadline::after(timeout()));
+  }
+
+  std::vector<std::byte> get(const std::string& key) override {
+    check_key(key);
+    return call(detail::opcode::get, detail::encode_get(key, timeout_ms(timeout())), blocking_deadline(timeout()), timeout());
+  }
+
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
+    check_key(key);
+    const auto r = call(detail::opcode::add, detail::encode_add(key, delta), deadline::after(timeout()));
+    return read_i64(r, detail::opcode::add);
+  }
+
+  std::vector<std::byte> compare_set(const std::string& key, std::span<const std::byte> expected,
+                                     std::span<const std::byte> desired) override {
+    check_key(key);
+    check_value(expected);
+    check_value(desired);
+    return call(detail::opcode::compare_set, detail::encode_compare_set(key, expected, desired), deadline::after(timeout()));
+  }
+
+  using store::wait;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds t) override {
+    if (keys.empty()) return;
+    std::size_t bytes = 12;
+    for (const auto& k : keys) {
+      check_key(k);
+      bytes += 4 + k.size();
+    }
+    if (bytes > detail::max_wait_bytes) throw error(errc::invalid_argument, "store.wait: too many keys in one call");
+    call(detail::opcode::wait, detail::encode_wait(keys, timeout_ms(t)), blocking_deadline(t), t);
+  }
+
+  bool erase(const std::string& key) override {
+    check_key(key);
+    const auto r = call(detail::opcode::erase, detail::encode_request(detail::opcode::erase, key, {}), deadline::after(timeout()));
+    if (r.size() != 1) protocol_error(detail::opcode::erase, "bad erase answer");
+    return r[0] != std::byte{0};
+  }
+
+  std::int64_t num_keys() override {
+    const auto r = call(detail::opcode::num_keys, detail::encode_request(detail::opcode::num_keys, {}, {}),
+                        deadline::after(timeout()));
+    return read_i64(r, detail::opcode::num_keys);
+  }
+
+ private:
+  static std::uint64_t timeout_ms(std::chrono::milliseconds t) { return t.count() < 0 ? 0 : static_cast<std::uint64_t>(t.count()); }
+
+  // The server answers a parked get()/wait() at the timeout itself; the client allows a little
+  // more before deciding the server is wedged.
+  static deadline blocking_deadline(std::chrono::milliseconds t) { return deadline::after(t + std::chrono::seconds(2)); }
+
+  void connect(const std::string& token, const deadline& until) {
+    fd_ = detail::connect_with_retry(host_, port_, until);
+    const char* op = "store.connect";
+    send_all(detail::encode_client_hello(), until, op);
+    std::array<std::byte, detail::server_hello_bytes> hello{};
+    recv_exact(hello, until, op, " during the handshake");
+    if (detail::get_le<std::uint32_t>(hello.data()) != detail::protocol_magic) {
+      fail(errc::store, address() + " is not a ddp store server (bad magic in its greeting)", op);
+    }
+    const auto version = detail::get_le<std::uint16_t>(hello.data() + 4);
+    if (version != detail::protocol_version) {
+      fail(errc::store, "store server " + address() + " speaks protocol version " + std::to_string(version) +
+                            ", this client " + std::to_string(detail::protocol_version) + " (mixed ddp versions?)",
+           op);
+    }
+    std::array<std::byte, detail::proof_bytes> proof{};
+    if (!token.empty()) {
+      std::vector<std::byte> msg;
+      detail::put_bytes(msg, detail::auth_context);
+      detail::put_bytes(msg, std::span(hello).subspan(8, detail::nonce_bytes));
+      proof = detail::hmac_sha256(std::as_bytes(std::span(token.data(), token.size())), msg);
+    }
+    send_all(proof, until, op);
+    std::array<std::byte, 1> verdict{};
+    recv_exact(verdict, until, op, " during the handshake (wrong or missing DDP_STORE_TOKEN?)");
+    if (verdict[0] != std::byte{1}) fail(errc::store, "store refused the connection: wrong or missing DDP_STORE_TOKEN", op);
+  }
+
+  std::vector<std::byte> call(detail::opcode op, const std::vector<std::byte>& frame, const deadline& until,
+                              std::optional<std::chrono::milliseconds> server_timeout = std::nullopt) {
+    std::lock_guard guard(mutex_);
+    const std::string name(detail::to_string(op));
+    if (!fd_) throw error(errc::store, broken_, {.op = name});
+    send_all(frame, until, name.c_str());
+    std::array<std::byte, detail::response_header_bytes> header{};
+    recv_exact(header, until, name.c_str(), "");
+    const auto st = std::to_integer<std::uint8_t>(header[0]);
+    const auto len = detail::get_le<std::uint32_t>(header.data() + 1);
+    if (len > detail::max_response_bytes) fail(errc::store, "store server " + address() + " sent an oversized answer", name.c_str());
+    std::vector<std::byte> payload(len);
+    recv_exact(payload, until, name.c_str(), "");
+    switch (static_cast<detail::status>(st)) {
+      case detail::status::ok:
+        return payload;
+      case detail::status::timeout: {
+        std::vector<std::string> missing;
+        std::string why;
+        if (!detail::decode_key_list(payload, missing, why)) fail(errc::store, "malformed timeout answer: " + why, name.c_str());
+        const auto t = server_timeout.value_or(timeout());
+        throw error(errc::timeout, "keys " + detail::quote_keys(missing) + " not set within " + std::to_string(t.count()) + " ms",
+                    {.op = name});
+      }
+      case detail::status::invalid_argument:
+        throw error(errc::invalid_argument, detail::to_string(payload), {.op = name});
+    }
+    fail(errc::store, "store server " + address() + " sent an unknown status " + std::to_string(st), name.c_str());
+  }
+
+  std::int64_t read_i64(const std::vector<std::byte>& r, detail::opcode op) {
+    if (r.size() != 8) protocol_error(op, "answer of " + std::to_string(r.size()) + " bytes, expected 8");
+    return detail::get_le<std::int64_t>(r.data());
+  }
+
+  [[noreturn]] void protocol_error(detail::opcode op, const std::string& why) {
+    std::lock_guard guard(mutex_);
+    fail(errc::store, "store server " + address() + ": " + why, std::string(detail::to_string(op)).c_str());
+  }
+
+  // Any failure on the connection leaves the stream in an unknown state: close it, and make every
+  // later call fail at once with the same reason.
+  [[noreturn]] void fail(errc code, const std::string& message, const char* op) {
+    fd_.reset();
+    broken_ = "the connection to store server " + address() + " failed earlier: " + message;
+    throw error(code, message, {.op = op});
+  }
+
+  void send_all(std::span<const std::byte> data, const deadline& until, const char* op) {
+    std::size_t done = 0;
+    while (done < data.size()) {
+      const ssize_t n = ::send(fd_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        done += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        const short rev = detail::poll_one(fd_.get(), POLLOUT, until);
+        if (rev == 0) fail(errc::timeout, "store server " + address() + " did not take the request in time", op);
+        continue;
+      }
+      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("send") + ")", op);
+    }
+  }
+
+  void recv_exact(std::span<std::byte> data, const deadline& until, const char* op, const std::string& when) {
+    std::size_t done = 0;
+    while (done < data.size()) {
+      const ssize_t n = ::recv(fd_.get(), data.data() + done, data.size() - done, MSG_DONTWAIT);
+      if (n > 0) {
+        done += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (n == 0) fail(errc::store, "store server " + address() + " closed the connection" + when, op);
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        const short rev = detail::poll_one(fd_.get(), POLLIN, until);
+        if (rev == 0) fail(errc::timeout, "store server " + address() + " did not answer in time" + when, op);
+        continue;
+      }
+      fail(errc::store, "store server " + address() + " closed the connection" + when + " (" + system_message("recv") + ")", op);
+    }
+  }
+
+  std::string host_;
+  std::uint16_t port_;
+  std::unique_ptr<tcp_store_server> server_;
+  detail::unique_fd fd_;
+  std::mutex mutex_;
+  std::string broken_;
+};
+
+static_assert(key_value_store<tcp_store>);
+
+/// The store of a process group: rank 0 (is_server) runs the server at host:port, every rank
+/// connects to it. Port 0 with is_server picks a free port; read it back with
+/// static_cast<tcp_store&>(*s).port() to publish it. The token comes from $DDP_STORE_TOKEN.
+inline std::shared_ptr<store> make_tcp_store(const std::string& host, std::uint16_t port, bool is_server,
+                                             std::chrono::milliseconds timeout = default_timeout()) {
+  return std::make_shared<tcp_store>(tcp_store::options{.host = host, .port = port, .is_server = is_server, .timeout = timeout});
+}
+
+}  // namespace ddp::store
