@@ -1,0 +1,107 @@
+#pragma once
+// train_ddp's --report: one JSON object, written by rank 0.
+
+#include <sys/resource.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "torch_math.hpp"
+
+namespace train {
+
+/// Peak resident set size of this process in bytes (getrusage's ru_maxrss is in KiB on Linux).
+inline std::int64_t peak_rss_bytes() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<std::int64_t>(u.ru_maxrss) * 1024;
+}
+
+struct report {
+  std::string build;  // "cpu" or "cuda"
+  std::string backend, gemm;
+  int world_size = 1;
+  bool simulated = false;
+  int epochs = 0;
+  long batch_size = 0, samples = 0;
+  int features = 0, hidden = 0, classes = 0;
+  double lr = 0;
+  std::vector<std::vector<double>> epoch_loss_sums_by_rank;
+  std::vector<std::string> printed_lines;
+  std::vector<float> step_losses_rank0;
+  double train_loop_seconds = 0;
+  double samples_processed = 0;  // over all ranks, padding included (what the ranks computed)
+  std::vector<std::int64_t> peak_rss_bytes_by_rank;
+  std::int64_t peak_device_memory_bytes = -1;  // CUDA build only
+  long eval_samples = 0, eval_correct = 0;
+  double eval_loss_sum = 0;
+  std::vector<float> final_params;  // flat, named_parameters() order
+};
+
+namespace detail {
+inline std::string num(double v) {
+  char b[40];
+  std::snprintf(b, sizeof b, "%.17g", v);
+  return b;
+}
+inline std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+template <class T, class F>
+std::string list(const std::vector<T>& v, F f) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + f(v[i]);
+  return out + "]";
+}
+}  // namespace detail
+
+inline std::string to_json(const report& r) {
+  using namespace detail;
+  const auto d = [](double v) { return num(v); };
+  const auto i64 = [](std::int64_t v) { return std::to_string(v); };
+  std::string s = "{\n";
+  s += "  \"build\": " + quoted(r.build) + ",\n";
+  s += "  \"backend\": " + quoted(r.backend) + ",\n";
+  s += "  \"gemm\": " + quoted(r.gemm) + ",\n";
+  s += "  \"world_size\": " + std::to_string(r.world_size) + ",\n";
+  s += "  \"simulated\": " + std::string(r.simulated ? "true" : "false") + ",\n";
+  s += "  \"epochs\": " + std::to_string(r.epochs) + ",\n";
+  s += "  \"batch_size\": " + std::to_string(r.batch_size) + ",\n";
+  s += "  \"samples\": " + std::to_string(r.samples) + ",\n";
+  s += "  \"features\": " + std::to_string(r.features) + ",\n";
+  s += "  \"hidden\": " + std::to_string(r.hidden) + ",\n";
+  s += "  \"classes\": " + std::to_string(r.classes) + ",\n";
+  s += "  \"lr\": " + num(r.lr) + ",\n";
+  s += "  \"printed_lines\": " + list(r.printed_lines, quoted) + ",\n";
+  s += "  \"epoch_loss_sums_by_rank\": " +
+       list(r.epoch_loss_sums_by_rank, [&](const std::vector<double>& v) { return list(v, d); }) + ",\n";
+  s += "  \"step_losses_rank0\": " + list(r.step_losses_rank0, [](float v) { return num(v); }) + ",\n";
+  s += "  \"train_loop_seconds\": " + num(r.train_loop_seconds) + ",\n";
+  s += "  \"throughput_samples_per_s\": " + num(r.train_loop_seconds > 0 ? r.samples_processed / r.train_loop_seconds : 0) + ",\n";
+  s += "  \"peak_rss_bytes_by_rank\": " + list(r.peak_rss_bytes_by_rank, i64) + ",\n";
+  if (r.peak_device_memory_bytes >= 0) s += "  \"peak_device_memory_bytes\": " + i64(r.peak_device_memory_bytes) + ",\n";
+  s += "  \"eval_samples\": " + std::to_string(r.eval_samples) + ",\n";
+  s += "  \"final_accuracy\": " + num(r.eval_samples ? double(r.eval_correct) / double(r.eval_samples) : 0) + ",\n";
+  s += "  \"final_mean_loss\": " + num(r.eval_samples ? r.eval_loss_sum / double(r.eval_samples) : 0) + ",\n";
+  s += "  \"final_params_bits\": " +
+       list(r.final_params, [](float v) { return std::to_string(to_bits(v)); }) + "\n";
+  return s + "}\n";
+}
+
+inline void write_report(const std::string& path, const report& r) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) throw std::runtime_error("cannot write the report to '" + path + "'");
+  const std::string text = to_json(r);
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !ok) throw std::runtime_error("writing the report to '" + path + "' failed");
+}
+
+}  // namespace train

@@ -1,0 +1,318 @@
+// train_ddp: PyTorch's DDP tutorial job in C++ on ddp. One source for the CPU build (Thrust's
+// CPP system + exact or Eigen GEMM) and the CUDA build (train_ddp.cu includes this file:
+// Thrust on CUDA + cuBLAS or the exact GEMM on the device).
+//
+//   train_ddp                                   world of one (or whatever torchrun/srun/mpirun set)
+//   train_ddp --nproc-per-node 2                two ranks on this host, like torchrun --standalone
+//   train_ddp --init-seed 0                     torch.manual_seed(0) weights: PyTorch's printed lines
+//   train_ddp --simulate-world 2                two replicas in one process (no communication)
+//
+// Rank 0 prints `Epoch N: Rank 0 local loss sum = X.XXXX` after each epoch, as the tutorial does.
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ddp/data_parallel.hpp"
+#include "ddp/init.hpp"
+#include "ddp/parameters.hpp"
+#include "ddp/random.hpp"
+#include "ddp/sampler.hpp"
+#include "launch_self.hpp"
+#include "mlp.hpp"
+#include "options.hpp"
+#include "report.hpp"
+
+#if defined(__CUDACC__)
+#include "cublas_gemm.hpp"
+#endif
+
+namespace train {
+
+#if defined(__CUDACC__)
+inline constexpr bool cuda_build = true;
+#else
+inline constexpr bool cuda_build = false;
+#endif
+
+/// The tutorial's data: g = torch.Generator().manual_seed(seed); x = torch.randn(n, d, generator=g);
+/// y = torch.randint(0, classes, (n,), generator=g).
+inline dataset make_dataset(const options& o) {
+  ddp::torch_generator g{o.data_seed};
+  const std::vector<float> x = ddp::randn(std::int64_t(o.samples) * o.features, g);
+  const std::vector<std::int64_t> y = ddp::randint(0, o.classes, o.samples, g);
+  dataset d;
+  d.features = thrust::device_vector<float>(x.begin(), x.end());
+  d.labels = thrust::device_vector<std::int64_t>(y.begin(), y.end());
+  d.n = o.samples;
+  d.in = o.features;
+  return d;
+}
+
+/// torch.manual_seed(S); nn.Linear(features, hidden); nn.Linear(hidden, classes), flattened in
+/// named_parameters() order. Without --init-seed, a seed from std::random_device: every rank draws
+/// its own, and DDP's broadcast from rank 0 makes the replicas equal.
+inline std::vector<float> initial_values(const options& o) {
+  std::uint64_t seed = 0;
+  if (o.init_seed) {
+    seed = *o.init_seed;
+  } else {
+    std::random_device rd;
+    seed = (std::uint64_t(rd()) << 32) | rd();
+  }
+  ddp::torch_generator g{seed};
+  const auto l1 = ddp::torch_linear_init(o.hidden, o.features, g);
+  const auto l2 = ddp::torch_linear_init(o.classes, o.hidden, g);
+  std::vector<float> v;
+  for (const auto* part : {&l1.weight, &l1.bias, &l2.weight, &l2.bias}) v.insert(v.end(), part->begin(), part->end());
+  return v;
+}
+
+/// The parameters DDP synchronizes: spans over the model's flat buffers (CPU build: in place, no
+/// copy), or over host mirrors of the device buffers (CUDA build with a host-memory backend).
+struct flat_params {
+  std::span<float> values, grads;
+  const std::vector<tensor_slot>* slots = nullptr;
+  ddp::memory_space memory = ddp::memory_space::host;
+};
+
+inline std::vector<ddp::parameter_ref> parameters(flat_params& p) {
+  std::vector<ddp::parameter_ref> out;
+  for (const auto& s : *p.slots)
+    out.push_back(ddp::make_parameter(p.values.subspan(s.offset, s.numel), p.grads.subspan(s.offset, s.numel), s.shape,
+                                      s.name, p.memory));
+  return out;
+}
+
+struct device_memory_probe {
+  std::int64_t peak = -1;
+  void sample() {
+#if defined(__CUDACC__)
+    std::size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) == cudaSuccess) peak = std::max<std::int64_t>(peak, std::int64_t(total - free));
+#endif
+  }
+};
+
+inline std::string epoch_line(int epoch, double total) {
+  char b[96];
+  std::snprintf(b, sizeof b, "Epoch %d: Rank 0 local loss sum = %.4f", epoch + 1, total);
+  return b;
+}
+
+inline report base_report(const options& o, const char* gemm_name) {
+  report r;
+  r.build = cuda_build ? "cuda" : "cpu";
+  r.backend = o.simulate_world > 0 ? "simulated" : o.backend;
+  r.gemm = gemm_name;
+  r.epochs = o.epochs;
+  r.batch_size = o.batch_size;
+  r.samples = o.samples;
+  r.features = o.features;
+  r.hidden = o.hidden;
+  r.classes = o.classes;
+  r.lr = o.lr;
+  return r;
+}
+
+/// --simulate-world W: W replicas in this process; after each step every gradient becomes
+/// (g_0 + ... + g_{W-1}) / W in float32, summed in rank order (what the golden simulation does).
+template <class Gemm>
+int run_simulation(const options& o, Gemm gemm) {
+  const int w = o.simulate_world;
+  const dataset data = make_dataset(o);
+  const std::vector<float> init = initial_values(o);
+  std::vector<mlp<Gemm>> replicas;
+  std::vector<ddp::distributed_sampler> samplers;
+  for (int r = 0; r < w; ++r) {
+    replicas.emplace_back(o.features, o.hidden, o.classes, gemm);
+    replicas.back().set_values(init);
+    samplers.emplace_back(data.n, w, r, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed});
+  }
+  report rep = base_report(o, Gemm::name);
+  rep.world_size = w;
+  rep.simulated = true;
+  rep.epoch_loss_sums_by_rank.assign(std::size_t(w), {});
+  std::vector<float> sum(replicas[0].numel()), g(sum.size());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+    std::vector<ddp::index_batches> passes;
+    for (auto& s : samplers) {
+      s.set_epoch(epoch);
+      passes.push_back(s.batches(o.batch_size));
+    }
+    std::vector<ddp::index_batches::iterator> it;
+    for (auto& p : passes) it.push_back(p.begin());
+    std::vector<double> totals(std::size_t(w), 0.0);
+    for (; it[0] != passes[0].end();) {
+      for (int r = 0; r < w; ++r) {
+        const auto batch = *it[std::size_t(r)];
+        const float loss = replicas[std::size_t(r)].forward_backward(data, batch);
+        totals[std::size_t(r)] += loss;
+        if (r == 0) rep.step_losses_rank0.push_back(loss);
+        rep.samples_processed += double(batch.size());
+        ++it[std::size_t(r)];
+        thrust::copy(replicas[std::size_t(r)].grads().begin(), replicas[std::size_t(r)].grads().end(),
+                     r == 0 ? sum.begin() : g.begin());
+        if (r > 0)
+          for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += g[i];
+      }
+      for (auto& v : sum) v /= float(w);
+      for (auto& m : replicas) {
+        thrust::copy(sum.begin(), sum.end(), m.grads().begin());
+        m.sgd_step(o.lr);
+      }
+    }
+    for (int r = 0; r < w; ++r) rep.epoch_loss_sums_by_rank[std::size_t(r)].push_back(totals[std::size_t(r)]);
+    rep.printed_lines.push_back(epoch_line(epoch, totals[0]));
+    std::printf("%s\n", rep.printed_lines.back().c_str());
+    std::fflush(stdout);
+  }
+  rep.train_loop_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const eval_result e = replicas[0].evaluate(data);
+  rep.eval_samples = e.count;
+  rep.eval_correct = e.correct;
+  rep.eval_loss_sum = e.loss_sum;
+  rep.peak_rss_bytes_by_rank = {peak_rss_bytes()};
+  rep.final_params = replicas[0].host_values();
+  if (!o.report.empty()) write_report(o.report, rep);
+  return 0;
+}
+
+template <class Gemm>
+int run_distributed(const options& o, Gemm gemm) {
+  ddp::group group = ddp::init_process_group(o.backend);
+  const int rank = group.rank(), world = group.size();
+  device_memory_probe probe;
+  const dataset data = make_dataset(o);
+  mlp<Gemm> model(o.features, o.hidden, o.classes, gemm);
+  model.set_values(initial_values(o));
+
+  // CPU build: DDP reduces the model's own gradient buffer in place. CUDA build: through host
+  // mirrors (the ring backend works on host memory; NCCL would take the device buffers directly).
+  std::vector<float> host_values, host_grads;
+  flat_params params{{}, {}, &model.slots()};
+  if constexpr (cuda_build) {
+    host_values = model.host_values();
+    host_grads.assign(host_values.size(), 0.0f);
+    params.values = host_values;
+    params.grads = host_grads;
+  } else {
+    params.values = {model.value_data(), model.numel()};
+    params.grads = {model.grad_data(), model.numel()};
+  }
+  ddp::distributed_data_parallel net{params, group};  // checks shapes on every rank, broadcasts rank 0
+  if constexpr (cuda_build) model.set_values(host_values);
+
+  ddp::distributed_sampler sampler{data.n, world, rank, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed}};
+  report rep = base_report(o, Gemm::name);
+  rep.world_size = world;
+  std::vector<double> totals;
+  probe.sample();
+  group.barrier();  // time the loop, not the rendezvous
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+    sampler.set_epoch(epoch);
+    double total_loss = 0;
+    for (const auto batch : sampler.batches(o.batch_size)) {
+      float loss = 0;
+      if constexpr (cuda_build) {
+        loss = model.forward_backward(data, batch);
+        thrust::copy(model.grads().begin(), model.grads().end(), host_grads.begin());
+        net.synchronize();
+        thrust::copy(host_grads.begin(), host_grads.end(), model.grads().begin());
+      } else {
+        loss = model.forward_backward(data, batch, [&](int i) { net.mark_ready(std::size_t(i)); });
+        net.finish();  // wait for the bucket all-reduces: gradients are now the mean over ranks
+      }
+      model.sgd_step(o.lr);
+      total_loss += loss;
+      if (rank == 0) rep.step_losses_rank0.push_back(loss);
+      rep.samples_processed += double(batch.size());
+    }
+    totals.push_back(total_loss);
+    probe.sample();
+    if (rank == 0) {
+      rep.printed_lines.push_back(epoch_line(epoch, total_loss));
+      std::printf("%s\n", rep.printed_lines.back().c_str());
+      std::fflush(stdout);
+    }
+  }
+  group.barrier();
+  rep.train_loop_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  // Exact evaluation: rank r takes samples r, r + W, ...: every sample exactly once.
+  const eval_result e = model.evaluate(data, rank, world);
+  std::vector<std::int64_t> counts{e.correct, e.count};
+  std::vector<double> loss_sum{e.loss_sum};
+  group.all_reduce(std::span<std::int64_t>(counts), ddp::sum{});
+  group.all_reduce(std::span<double>(loss_sum), ddp::sum{});
+  std::vector<double> processed{rep.samples_processed};
+  group.all_reduce(std::span<double>(processed), ddp::sum{});
+
+  std::vector<double> all_totals(totals.size() * std::size_t(world));
+  group.all_gather(std::span<const double>(totals), std::span<double>(all_totals));
+  const std::vector<std::int64_t> mine{peak_rss_bytes(), probe.peak};
+  std::vector<std::int64_t> memory(2 * std::size_t(world));
+  group.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(memory));
+
+  if (rank == 0 && !o.report.empty()) {
+    rep.eval_correct = counts[0];
+    rep.eval_samples = counts[1];
+    rep.eval_loss_sum = loss_sum[0];
+    rep.samples_processed = processed[0];
+    for (int r = 0; r < world; ++r) {
+      rep.epoch_loss_sums_by_rank.emplace_back(all_totals.begin() + std::ptrdiff_t(r * totals.size()),
+                                               all_totals.begin() + std::ptrdiff_t((r + 1) * totals.size()));
+      rep.peak_rss_bytes_by_rank.push_back(memory[2 * std::size_t(r)]);
+      rep.peak_device_memory_bytes = std::max(rep.peak_device_memory_bytes, memory[2 * std::size_t(r) + 1]);
+    }
+    rep.final_params = model.host_values();
+    write_report(o.report, rep);
+  }
+  return 0;
+}
+
+template <class Gemm>
+int run(const options& o, Gemm gemm) {
+  return o.simulate_world > 0 ? run_simulation(o, gemm) : run_distributed(o, gemm);
+}
+
+inline int run_with_gemm(const options& o) {
+  if (o.gemm == "exact") return run(o, exact_gemm<device_policy>{});
+#if defined(__CUDACC__)
+  if (o.gemm == "cublas") return run(o, cublas_gemm{});
+  throw std::invalid_argument("--gemm " + o.gemm + ": this CUDA build has exact and cublas");
+#elif defined(TRAIN_HAVE_EIGEN)
+  if (o.gemm == "eigen") return run(o, eigen_gemm{});
+  throw std::invalid_argument("--gemm " + o.gemm + ": this CPU build has exact and eigen");
+#else
+  throw std::invalid_argument("--gemm " + o.gemm + ": this build has exact only (Eigen was not found)");
+#endif
+}
+
+}  // namespace train
+
+int main(int argc, char** argv) {
+  try {
+    const train::options o = train::parse_options(argc, argv);
+    if (o.nproc_per_node > 1 && o.simulate_world == 0 && std::getenv("RANK") == nullptr)
+      return train::launch_self(o.nproc_per_node, argv);
+#if defined(__CUDACC__)
+    if (const char* lr = std::getenv("LOCAL_RANK")) {
+      int devices = 0;
+      if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) cudaSetDevice(std::atoi(lr) % devices);
+    }
+#endif
+    return train::run_with_gemm(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_ddp: %s\n", e.what());
+    return 1;
+  }
+}
