@@ -298,9 +298,10 @@ class distributed_data_parallel {
       throw error(errc::invalid_argument, "bucket_cap_bytes and first_bucket_bytes must be positive", context());
     }
     check_local();
-    check_across_ranks();
+    layout_buckets();
+    const bool same_copies = check_across_ranks();
     if (options_.broadcast_parameters) broadcast_values();
-    build_buckets();
+    allocate_buffers(same_copies);
   }
 
   distributed_data_parallel(const distributed_data_parallel&) = delete;
@@ -530,25 +531,32 @@ class distributed_data_parallel {
     return name;
   }
 
-  void check_across_ranks() {
+  // Returns whether every rank copies the same buckets: group.allocate may be collective (shared
+  // memory), so it is used only when every rank makes the same allocations in the same order.
+  bool check_across_ranks() {
     const int p = static_cast<int>(group_->size());
     const int me = static_cast<int>(group_->rank());
-    if (p <= 1) return;
+    if (p <= 1) return true;
     std::uint64_t h = 0xcbf29ce484222325ull;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const auto d = descriptor(i);
       for (std::size_t k = 0; k < 4 + max_dims; ++k) h = detail::fnv1a(h, static_cast<std::uint64_t>(d[k]));
     }
-    const std::int64_t mine[2] = {static_cast<std::int64_t>(params_.size()), static_cast<std::int64_t>(h)};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(p));
-    group_->all_gather(std::span<const std::int64_t>(mine, 2), std::span<std::int64_t>(all));
-    bool same = true;
+    std::uint64_t copies = 0xcbf29ce484222325ull;
+    for (const auto& b : buckets_) copies = detail::fnv1a(copies, b.info.in_place ? 0 : b.index + 1);
+    constexpr std::size_t w = 3;  // count, shape hash, copied-bucket hash
+    const std::int64_t mine[w] = {static_cast<std::int64_t>(params_.size()), static_cast<std::int64_t>(h),
+                                  static_cast<std::int64_t>(copies)};
+    std::vector<std::int64_t> all(w * static_cast<std::size_t>(p));
+    group_->all_gather(std::span<const std::int64_t>(mine, w), std::span<std::int64_t>(all));
+    bool same = true, same_copies = true;
     std::int64_t max_count = 0;
-    for (int r = 0; r < p; ++r) {
-      same = same && all[2 * r] == all[0] && all[2 * r + 1] == all[1];
-      max_count = std::max(max_count, all[2 * r]);
+    for (std::size_t r = 0; r < static_cast<std::size_t>(p); ++r) {
+      same = same && all[w * r] == all[0] && all[w * r + 1] == all[1];
+      same_copies = same_copies && all[w * r + 2] == all[2];
+      max_count = std::max(max_count, all[w * r]);
     }
-    if (same) return;
+    if (same) return same_copies;
 
     // Every rank saw the difference: exchange the descriptors to name it on every rank.
     const auto m = static_cast<std::size_t>(max_count);
@@ -585,7 +593,7 @@ class distributed_data_parallel {
         const auto name = descriptor_name(d);
         return (name.empty() ? std::string() : "'" + name + "' ") + describe_descriptor(d);
       };
-      const auto count_of = [&](int r) { return std::to_string(all[2 * static_cast<std::size_t>(r)]); };
+      const auto count_of = [&](int r) { return std::to_string(all[w * static_cast<std::size_t>(r)]); };
       throw error(errc::mismatch,
                   "the model differs across ranks at parameter " + std::to_string(i) + ": this rank (" + std::to_string(me) +
                       ") has " + side(me) + ", rank " + std::to_string(other) + " has " + side(other) + " (parameter counts: " +
@@ -640,7 +648,7 @@ class distributed_data_parallel {
 
   // --- buckets ---------------------------------------------------------------------------
 
-  void build_buckets() {
+  void layout_buckets() {
     const auto assignment = assign_buckets(params_, options_.first_bucket_bytes, options_.bucket_cap_bytes);
     buckets_.resize(assignment.size());
     bucket_of_.assign(params_.size(), 0);
@@ -666,18 +674,19 @@ class distributed_data_parallel {
       bk.offsets.assign(asc_offsets.rbegin(), asc_offsets.rend());
       bk.pending = ascending.size();
       bk.info.in_place = contiguous && (offset == 0 || params_[ascending[0]].grad.data() != nullptr);
-      if (bk.info.in_place) {
-        bk.view = std::span<std::byte>(params_[ascending[0]].grad.data(), offset);
-      } else {
-        allocate_buffer(bk);
-      }
+      if (bk.info.in_place) bk.view = std::span<std::byte>(params_[ascending[0]].grad.data(), offset);
     }
     stats_.buckets = buckets_.size();
     stats_.in_place_buckets = static_cast<std::size_t>(
         std::count_if(buckets_.begin(), buckets_.end(), [](const bucket& b) { return b.info.in_place; }));
   }
 
-  void allocate_buffer(bucket& bk) {
+  void allocate_buffers(bool use_group_allocate) {
+    for (auto& bk : buckets_)
+      if (!bk.info.in_place) allocate_buffer(bk, use_group_allocate);
+  }
+
+  void allocate_buffer(bucket& bk, bool use_group_allocate) {
     if (params_[bk.info.parameters.front()].memory != memory_space::host) {
       throw error(errc::unavailable,
                   "bucket " + std::to_string(bk.index) +
@@ -689,6 +698,12 @@ class distributed_data_parallel {
       using T = typename decltype(tag)::type;
       const std::size_t n = bk.info.bytes / sizeof(T);
       if constexpr (requires(Group& g) { g.template allocate<T>(n); }) {
+        if (!use_group_allocate) {
+          auto owned = std::make_shared<std::vector<T>>(n);
+          bk.view = std::as_writable_bytes(std::span<T>(*owned));
+          bk.storage = std::move(owned);
+          return;
+        }
         using A = std::remove_cvref_t<decltype(group_->template allocate<T>(n))>;
         auto owned = std::shared_ptr<A>(new A(group_->template allocate<T>(n)));
         std::span<T> s = as_span<T>(*owned);

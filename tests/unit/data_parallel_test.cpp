@@ -480,6 +480,36 @@ TEST_CASE("ddp: bucket buffers come from group.allocate when the group has it", 
   CHECK(allocations[0] > 1);
 }
 
+TEST_CASE("ddp: ranks may mix flat and separate gradients; group.allocate is then not used", "[ddp]") {
+  // The bucket layout (ascending index inside a bucket) is the same whatever the memory: a flat
+  // rank reduces in place while a separate rank copies, and the elements still line up. An
+  // allocate() that may be collective (shared memory) is called only when every rank would
+  // make the same calls.
+  fake_world world(3);
+  std::vector<int> allocations(3, -1);
+  const auto errors = run_threads<fake_group_with_allocate>(world, [&](int r, fake_group_with_allocate& g) {
+    const ddp::data_parallel_options o{.bucket_cap_bytes = 2048, .first_bucket_bytes = 256};
+    std::string bad;
+    if (r == 1) {
+      separate_model<float> m(sizes);
+      ddp::distributed_data_parallel net{m, g, o};
+      m.fill_grads(r);
+      net.synchronize();
+      bad = check_mean(m, 3);
+    } else {
+      flat_model<float> m(sizes);
+      ddp::distributed_data_parallel net{m, g, o};
+      m.fill_grads(r);
+      net.synchronize();
+      bad = check_mean(m, 3);
+    }
+    if (!bad.empty()) throw std::runtime_error(bad);
+    allocations[static_cast<std::size_t>(r)] = g.allocations;
+  });
+  REQUIRE(joined(errors) == "");
+  CHECK(allocations == std::vector<int>{0, 0, 0});
+}
+
 // --- construction -------------------------------------------------------------------------
 
 TEST_CASE("ddp: construction broadcasts rank 0's values", "[ddp]") {
