@@ -412,7 +412,7 @@ class tcp_transport {
     store.set_string(prefix + "/tcp/host/" + std::to_string(s_->rank), me);
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(prefix + "/tcp/host/" + std::to_string(r));
-    store.wait(keys, opts.timeout);
+    wait_for_ranks(store, keys, opts.timeout, "publish their host identity");
     for (const auto& k : keys) {
       if (store.get_string(k) != me) {
         throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
@@ -420,6 +420,27 @@ class tcp_transport {
       }
     }
     return "127.0.0.1";
+  }
+
+  /// store.wait, with a timeout message that names the ranks that never published their key.
+  void wait_for_ranks(ddp::store::store& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
+                      const std::string& what) {
+    try {
+      store.wait(keys, timeout);
+    } catch (const error& e) {
+      if (e.code() != errc::timeout) throw;
+      std::string missing;
+      for (std::size_t r = 0; r < keys.size(); ++r) {
+        try {
+          store.wait({keys[r]}, std::chrono::milliseconds(0));
+        } catch (const error&) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+      }
+      throw error(errc::timeout, "timed out building the tcp mesh: rank(s) " + missing + " did not " + what + " within " +
+                                     std::to_string(timeout.count()) + " ms (not started, or a different store / prefix?)",
+                  {.rank = s_->rank});
+    }
   }
 
   void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
@@ -435,7 +456,13 @@ class tcp_transport {
     store.set_string(key(rank), me.str() + " " + detail::tcp::to_hex(my_nonce));
 
     auto published = [&](int r, detail::tcp::host_port& addr, detail::tcp::nonce& n) {
-      store.wait({key(r)}, dl.remaining());
+      try {
+        store.wait({key(r)}, dl.remaining());
+      } catch (const error& e) {
+        if (e.code() != errc::timeout) throw;
+        throw error(errc::timeout, "timed out building the tcp mesh: rank(s) " + std::to_string(r) + " did not publish an address within " +
+                                       std::to_string(opts.timeout.count()) + " ms", {.rank = rank});
+      }
       const std::string v = store.get_string(key(r));
       const auto space = v.find(' ');
       if (space == std::string::npos || !detail::tcp::from_hex(std::string_view(v).substr(space + 1), n)) {
