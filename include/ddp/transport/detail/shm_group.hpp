@@ -142,6 +142,13 @@ class shm_group {
     ring();
   }
 
+  /// abort(), naming a dead peer if this rank sees one: called when a wait on this rank failed.
+  void abort_noticing() noexcept {
+    if (job_ == nullptr) return;
+    const auto dead = watch_.first_dead();
+    abort(dead ? dead->rank : -1, dead ? dead->pid : 0);
+  }
+
   /// Why a wait cannot succeed: a dead peer or an abort; nullopt when neither.
   std::optional<std::pair<errc, std::string>> failure() const {
     if (auto dead = watch_.first_dead()) {

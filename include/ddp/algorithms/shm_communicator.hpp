@@ -1,0 +1,717 @@
+#pragma once
+// shm_communicator: every collective for the ranks of one host, by direct shared-memory
+// algorithms (see shm_direct.hpp for the layout and the fixed reduction order).
+//
+// Each call starts the same way: a rank writes its wire_header (and, for small calls, its data)
+// into its slot for the call, then waits until every peer's slot carries the same call number,
+// and checks every peer's header before it reads any data (errc::mismatch on every rank,
+// describing both calls). Then, by size and buffer kind:
+//  - small (a rank's payload <= options::small_bytes, 8 KiB): the data came with the header;
+//    each rank reduces / copies what it needs from the peers' slots. One flag handoff.
+//  - zero copy (every rank's span lies in a shared_buffer from allocate()): each rank reduces
+//    its 1/p slice reading the peers' buffers in place and writes the result into every
+//    buffer (all_reduce) or the root's (reduce), or copies straight out of the peers' buffers
+//    (broadcast, all_gather, reduce_scatter, all_to_all); one more flag handoff at the end.
+//  - staged (ordinary memory): chunks of options::chunk_bytes go through each rank's staging
+//    area, `depth` chunks in flight: copy-in of chunk k+1 overlaps the peers' reduction of
+//    chunk k. all_reduce: copy in, reduce own slice in place in staging, copy every slice out.
+// send/recv go through an shm_transport (header first, checked by the receiver).
+//
+// Errors: a dead peer is errc::peer_lost "peer rank N (pid P) exited" within ~10 ms; a deadline
+// is errc::timeout; either aborts the communicator for every rank (peers fail at once rather than
+// at their own deadline). After an error the communicator refuses further calls.
+// Not thread-safe: one collective at a time (abort() may be called from any thread).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "ddp/algorithms/shm_direct.hpp"
+#include "ddp/core/collective.hpp"
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/dtype.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/core/reduce_op.hpp"
+#include "ddp/shared_buffer.hpp"
+#include "ddp/store/store.hpp"
+#include "ddp/transport/detail/shm_group.hpp"
+#include "ddp/transport/shm.hpp"
+
+namespace ddp::algo {
+
+class shm_communicator {
+ public:
+  struct options {
+    std::size_t small_bytes = 8192;          // largest per-rank payload sent with the header
+    std::size_t chunk_bytes = 256 << 10;     // staging chunk for ordinary buffers
+    int depth = 4;                           // staging chunks per rank (>= 2)
+    std::size_t p2p_ring_bytes = 1 << 20;    // send/recv ring per ordered pair
+    ddp::detail::shm::shm_wait_policy wait{};
+  };
+
+  /// Collective: every rank of the group constructs one with the same store, prefix and size.
+  shm_communicator(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup)
+      : shm_communicator(st, prefix, rank, size, setup, options{}) {}
+  shm_communicator(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup, options opts)
+      : opts_(checked(opts)),
+        layout_{opts_.small_bytes, opts_.chunk_bytes, opts_.depth},
+        rank_(rank),
+        size_(size),
+        group_(st, prefix, "c", rank, size, layout_.total_bytes(), setup, opts_.wait),
+        p2p_(st, prefix + "p2p/", rank, size, setup, {opts_.p2p_ring_bytes, opts_.wait}),
+        registry_(std::make_shared<ddp::detail::shared_registry>()) {}
+
+  shm_communicator(const shm_communicator&) = delete;
+  shm_communicator& operator=(const shm_communicator&) = delete;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+
+  /// Unblocks every waiter of every rank promptly (errc::peer_lost); never blocks.
+  void abort() noexcept {
+    group_.abort();
+    p2p_.abort();
+  }
+
+  /// Collective allocation: every rank calls it with the same n, in the same order. The buffer
+  /// is zero-filled; collectives on spans inside it read the peers' memory in place.
+  template <class T>
+  shared_buffer<T> allocate(std::size_t n, deadline dl) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    collective_desc d;
+    d.seq = ++allocations_;
+    d.op = collective::barrier;
+    if constexpr (dtype_like<T>) d.type = dtype_of<T>;
+    d.count = n;
+    const std::size_t bytes = std::max<std::size_t>(4096, (n * sizeof(T) + 4095) / 4096 * 4096);
+    const std::string name = group_.name_base() + "-a" + std::to_string(d.seq) + "-r";
+    auto a = std::make_shared<ddp::detail::shared_allocation>();
+    a->id = d.seq;
+    a->rank = rank_;
+    a->bytes = bytes;
+    a->segments.resize(static_cast<std::size_t>(size_));
+    run(d, [&] {
+      a->segments[static_cast<std::size_t>(rank_)] = ddp::detail::shm::shm_segment::create(name + std::to_string(rank_), bytes);
+      barrier_steps(d, dl);  // every rank has created its segment (and asks for the same n)
+      for (int r = 0; r < size_; ++r)
+        if (r != rank_) a->segments[static_cast<std::size_t>(r)] = ddp::detail::shm::shm_segment::open(name + std::to_string(r), bytes);
+      barrier_steps(d, dl);  // every rank has mapped every segment
+      a->segments[static_cast<std::size_t>(rank_)].unlink();
+    }, true);
+    registry_->add(a);
+    return shared_buffer<T>(std::move(a), n);
+  }
+
+  template <dtype_like E, reduce_op Op>
+  void all_reduce(std::span<E> data, Op op, const collective_desc& desc, deadline dl) {
+    const auto d = canonical(desc, dtype_of<E>, data.size(), Op::kind);
+    if (size_ == 1) return;
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t n = data.size(), bytes = data.size_bytes();
+      if (bytes <= opts_.small_bytes) {
+        publish(c, d, data.data(), bytes);
+        enter(c, d, dl);
+        ptrs<const E> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data.data() : peer_payload<E>(j, c);
+        E* dst = data.data();
+        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
+        return;
+      }
+      const auto mine = describe(data.data(), bytes, false);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<E> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, bytes, bufs, hold)) {
+        const std::size_t lo = shm_direct::slice_begin<E>(n, size_, rank_), hi = shm_direct::slice_begin<E>(n, size_, rank_ + 1);
+        ptrs<const E> src(size_);
+        ptrs<E> dst(size_);
+        for (int j = 0; j < size_; ++j) {
+          src[j] = bufs[j] + lo;
+          dst[j] = bufs[j] + lo;
+        }
+        shm_direct::fold(src.data(), size_, dst.data(), size_, hi - lo, op);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_reduce(data.data(), n, op, -1, d, dl);
+    });
+  }
+
+  template <dtype_like E, reduce_op Op>
+  void reduce(std::span<E> data, int root, Op op, const collective_desc& desc, deadline dl) {
+    check_root(root, desc);
+    auto d = canonical(desc, dtype_of<E>, data.size(), Op::kind);
+    d.root = root;
+    if (size_ == 1) return;
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t n = data.size(), bytes = data.size_bytes();
+      if (bytes <= opts_.small_bytes) {
+        publish(c, d, data.data(), bytes);
+        enter(c, d, dl);
+        if (rank_ != root) return;
+        ptrs<const E> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data.data() : peer_payload<E>(j, c);
+        E* dst = data.data();
+        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
+        return;
+      }
+      const auto mine = describe(data.data(), bytes, false);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<E> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, bytes, bufs, hold)) {
+        const std::size_t lo = shm_direct::slice_begin<E>(n, size_, rank_), hi = shm_direct::slice_begin<E>(n, size_, rank_ + 1);
+        ptrs<const E> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = bufs[j] + lo;
+        E* dst = bufs[root] + lo;
+        shm_direct::fold(src.data(), size_, &dst, 1, hi - lo, op);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_reduce(data.data(), n, op, root, d, dl);
+    });
+  }
+
+  template <dtype_like E>
+  void broadcast(std::span<E> data, int root, const collective_desc& desc, deadline dl) {
+    check_root(root, desc);
+    auto d = canonical(desc, dtype_of<E>, data.size(), desc.reduction);
+    d.root = root;
+    if (size_ == 1) return;
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t bytes = data.size_bytes();
+      if (bytes <= opts_.small_bytes) {
+        publish(c, d, data.data(), rank_ == root ? bytes : 0);
+        enter(c, d, dl);
+        if (rank_ != root && bytes != 0) std::memcpy(data.data(), peer_payload<E>(root, c), bytes);
+        return;
+      }
+      const auto mine = describe(data.data(), bytes, false);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      std::shared_ptr<ddp::detail::shared_allocation> hold;
+      if (const std::byte* src = shared_source(root, c, bytes, hold)) {
+        if (rank_ != root) std::memcpy(data.data(), src, bytes);
+        sync_all(d, dl, rank_ == root);  // the root's buffer stays untouched until every rank has read it
+        return;
+      }
+      staged_broadcast(reinterpret_cast<std::byte*>(data.data()), bytes, root, d, dl);
+    });
+  }
+
+  template <dtype_like E>
+  void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& desc, deadline dl) {
+    if (out.size() != in.size() * static_cast<std::size_t>(size_)) bad_sizes("all_gather: out must hold size() * in.size() elements", in.size(), out.size(), desc);
+    const auto d = canonical(desc, dtype_of<E>, in.size(), desc.reduction);
+    const std::size_t n = in.size(), bytes = in.size_bytes();
+    E* own = out.data() + static_cast<std::size_t>(rank_) * n;
+    if (size_ == 1) {
+      if (bytes) std::memmove(own, in.data(), bytes);
+      return;
+    }
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      if (bytes <= opts_.small_bytes) {
+        publish(c, d, in.data(), bytes);
+        enter(c, d, dl);
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && bytes) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c), bytes);
+        if (bytes) std::memmove(own, in.data(), bytes);
+        return;
+      }
+      const auto mine = describe(in.data(), bytes, overlaps(in, out) && in.data() != own);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<E> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, bytes, bufs, hold)) {
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, bufs[j], bytes);
+        std::memmove(own, in.data(), bytes);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_gather(in.data(), out.data(), n, d, dl);
+      std::memmove(own, in.data(), bytes);
+    });
+  }
+
+  template <dtype_like E, reduce_op Op>
+  void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& desc, deadline dl) {
+    if (in.size() != out.size() * static_cast<std::size_t>(size_)) bad_sizes("reduce_scatter: in must hold size() * out.size() elements", in.size(), out.size(), desc);
+    const auto d = canonical(desc, dtype_of<E>, out.size(), Op::kind);
+    const std::size_t n = out.size();
+    if (size_ == 1) {
+      if (n) std::memmove(out.data(), in.data(), out.size_bytes());
+      return;
+    }
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t offset = static_cast<std::size_t>(rank_) * n;
+      if (in.size_bytes() <= opts_.small_bytes) {
+        publish(c, d, in.data(), in.size_bytes());
+        enter(c, d, dl);
+        ptrs<const E> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = (j == rank_ ? in.data() : peer_payload<E>(j, c)) + offset;
+        E* dst = out.data();
+        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
+        return;
+      }
+      // Writing out while peers read in is safe only where out is this rank's own block of in.
+      const auto mine = describe(in.data(), in.size_bytes(), overlaps(in, out) && out.data() != in.data() + offset);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<E> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, in.size_bytes(), bufs, hold)) {
+        ptrs<const E> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = bufs[j] + offset;
+        E* dst = out.data();
+        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_blocks<E>(in.data(), n, d, dl, [&](const E* const* pieces, std::size_t at, std::size_t len) {
+        E* dst = out.data() + at;
+        shm_direct::fold(pieces, size_, &dst, 1, len, op);
+      });
+    });
+  }
+
+  template <dtype_like E>
+  void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& desc, deadline dl) {
+    if (in.size() != out.size() || in.size() % static_cast<std::size_t>(size_) != 0)
+      bad_sizes("all_to_all: in and out must have the same size, a multiple of size()", in.size(), out.size(), desc);
+    const std::size_t n = in.size() / static_cast<std::size_t>(size_);
+    const auto d = canonical(desc, dtype_of<E>, in.size(), desc.reduction);
+    if (size_ == 1) {
+      if (n) std::memmove(out.data(), in.data(), in.size_bytes());
+      return;
+    }
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t offset = static_cast<std::size_t>(rank_) * n, block = n * sizeof(E);
+      if (in.size_bytes() <= opts_.small_bytes) {
+        publish(c, d, in.data(), in.size_bytes());
+        enter(c, d, dl);
+        if (block == 0) return;
+        std::memmove(out.data() + offset, in.data() + offset, block);
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c) + offset, block);
+        return;
+      }
+      const auto mine = describe(in.data(), in.size_bytes(), overlaps(in, out));
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<E> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, in.size_bytes(), bufs, hold)) {
+        for (int j = 0; j < size_; ++j) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, bufs[j] + offset, block);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_blocks<E>(in.data(), n, d, dl, [&](const E* const* pieces, std::size_t at, std::size_t len) {
+        for (int j = 0; j < size_; ++j) std::memcpy(out.data() + static_cast<std::size_t>(j) * n + at, pieces[j], len * sizeof(E));
+      });
+    });
+  }
+
+  void barrier(const collective_desc& desc, deadline dl) {
+    auto d = desc;
+    d.count = 0;
+    if (size_ == 1) return;
+    run(d, [&] { barrier_steps(d, dl); });
+  }
+
+  template <dtype_like E>
+  void send(std::span<const E> data, int peer, const collective_desc& desc, deadline dl) {
+    check_peer(peer, desc);
+    auto d = canonical(desc, dtype_of<E>, data.size(), desc.reduction);
+    d.op = collective::send;
+    run(d, [&] {
+      const auto h = wire_header::encode(d);
+      try {
+        p2p_.send(peer, std::as_bytes(std::span(h.bytes)), dl);
+        p2p_.send(peer, std::as_bytes(data), dl);
+      } catch (const error& e) {
+        throw e.with_context(d.context(rank_));
+      }
+    });
+  }
+
+  template <dtype_like E>
+  void recv(std::span<E> data, int peer, const collective_desc& desc, deadline dl) {
+    check_peer(peer, desc);
+    auto d = canonical(desc, dtype_of<E>, data.size(), desc.reduction);
+    d.op = collective::recv;
+    run(d, [&] {
+      wire_header h;
+      try {
+        p2p_.recv(peer, std::as_writable_bytes(std::span(h.bytes)), dl);
+      } catch (const error& e) {
+        throw e.with_context(d.context(rank_));
+      }
+      if (!h.has_magic()) {
+        throw error(errc::mismatch, "rank " + std::to_string(peer) + " sent data that is not a ddp message header", d.context(rank_));
+      }
+      const auto theirs = h.decode();
+      if (theirs.op != collective::send || theirs.type != d.type || theirs.count != d.count) {
+        throw error(errc::mismatch, "mismatched point-to-point calls: this rank called recv (" + d.detail() + ") from rank " +
+                                        std::to_string(peer) + ", rank " + std::to_string(peer) + " called " + theirs.describe(),
+                    d.context(rank_));
+      }
+      try {
+        p2p_.recv(peer, std::as_writable_bytes(data), dl);
+      } catch (const error& e) {
+        throw e.with_context(d.context(rank_));
+      }
+    });
+  }
+
+ private:
+  using slot = shm_direct::slot;
+  using counter_index = shm_direct::counter_index;
+
+  // Pointer arrays without a heap allocation for groups of up to 16 ranks.
+  template <class T>
+  class ptrs {
+   public:
+    explicit ptrs(int n) {
+      if (n > 16) heap_.resize(static_cast<std::size_t>(n));
+      p_ = n > 16 ? heap_.data() : local_;
+    }
+    T*& operator[](int i) noexcept { return p_[i]; }
+    T* const* data() const noexcept { return p_; }
+    T** data() noexcept { return p_; }
+
+   private:
+    T* local_[16] = {};
+    std::vector<T*> heap_;
+    T** p_;
+  };
+
+  static options checked(options o) {
+    if (o.depth < 2) throw error(errc::invalid_argument, "shm_communicator: depth must be at least 2 (got " + std::to_string(o.depth) + ")");
+    if (o.chunk_bytes < 4096 || o.chunk_bytes % 64 != 0)
+      throw error(errc::invalid_argument, "shm_communicator: chunk_bytes must be a multiple of 64, at least 4096");
+    return o;
+  }
+
+  collective_desc canonical(const collective_desc& desc, dtype type, std::size_t count, reduce_kind kind) const {
+    auto d = desc;
+    d.type = type;
+    d.count = count;
+    if (d.has_reduction()) d.reduction = kind;
+    return d;
+  }
+  void check_root(int root, const collective_desc& d) const {
+    if (root < 0 || root >= size_) {
+      throw error(errc::invalid_argument, "root " + std::to_string(root) + " is not a rank of this group of " + std::to_string(size_), d.context(rank_));
+    }
+  }
+  void check_peer(int peer, const collective_desc& d) const {
+    if (peer < 0 || peer >= size_ || peer == rank_) {
+      throw error(errc::invalid_argument, "peer " + std::to_string(peer) + " is not another rank of this group of " + std::to_string(size_),
+                  d.context(rank_));
+    }
+  }
+  [[noreturn]] void bad_sizes(const char* what, std::size_t in, std::size_t out, const collective_desc& d) const {
+    throw error(errc::invalid_argument, std::string(what) + " (in " + std::to_string(in) + ", out " + std::to_string(out) + ", group of " +
+                                            std::to_string(size_) + ")", d.context(rank_));
+  }
+  template <class A, class B>
+  static bool overlaps(std::span<A> a, std::span<B> b) noexcept {
+    const auto* a0 = reinterpret_cast<const std::byte*>(a.data());
+    const auto* b0 = reinterpret_cast<const std::byte*>(b.data());
+    return a0 < b0 + b.size_bytes() && b0 < a0 + a.size_bytes();
+  }
+
+  // Runs one collective; any failure leaves the communicator unusable, and all but a mismatch
+  // (which every rank sees for itself) abort it for the peers.
+  template <class F>
+  void run(const collective_desc& d, F&& body, bool abort_on_any = false) {
+    if (failed_) {
+      throw error(failed_->code(), "this communicator failed in an earlier call (" + failed_->message() + ") and cannot be used", d.context(rank_));
+    }
+    try {
+      body();
+    } catch (const error& e) {
+      failed_ = e;
+      if (abort_on_any || e.code() != errc::mismatch) {
+        group_.abort_noticing();
+        p2p_.abort();
+      }
+      throw;
+    }
+  }
+
+  std::byte* base(int r) const noexcept { return group_.payload(r); }
+  slot* slot_of(int r, std::uint64_t c) const noexcept { return layout_.slot_at(base(r), c); }
+  std::atomic<std::uint64_t>& counter(int r, counter_index i) const noexcept { return layout_.counter_at(base(r), i)->value; }
+  template <class E>
+  const E* peer_payload(int r, std::uint64_t c) const noexcept {
+    return reinterpret_cast<const E*>(slot_of(r, c)->payload());
+  }
+  void set(counter_index i, std::uint64_t v) noexcept {
+    counter(rank_, i).store(v, std::memory_order_release);
+    group_.notify();
+  }
+
+  void publish(std::uint64_t c, const collective_desc& d, const void* payload, std::size_t bytes) noexcept {
+    slot* s = slot_of(rank_, c);
+    const auto h = wire_header::encode(d);
+    std::memcpy(s->header, h.bytes, wire_header::size);
+    if (bytes != 0) std::memcpy(s->payload(), payload, bytes);
+    s->call.store(c, std::memory_order_release);
+    group_.notify();
+  }
+
+  template <class Ready, class Why>
+  void wait(Ready&& ready, const collective_desc& d, deadline dl, Why&& why) {
+    group_.wait(ready, dl, [&](errc code, const std::string& message) {
+      throw error(code, message + " (" + why() + ")", d.context(rank_));
+    });
+  }
+
+  template <class Pred>
+  std::string ranks_where(Pred&& pred) const {
+    std::string s;
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && pred(r)) s += (s.empty() ? "" : ", ") + std::to_string(r);
+    return s;
+  }
+
+  // Waits for every peer's slot of call c, then checks every peer's header.
+  void enter(std::uint64_t c, const collective_desc& d, deadline dl) {
+    int next = 0;
+    wait(
+        [&] {
+          for (; next < size_; ++next)
+            if (next != rank_ && slot_of(next, c)->call.load(std::memory_order_acquire) != c) return false;
+          return true;
+        },
+        d, dl, [&] { return "waiting for ranks " + ranks_where([&](int r) { return slot_of(r, c)->call.load() != c; }) + " to enter " + d.describe(); });
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      wire_header h;
+      std::memcpy(h.bytes, slot_of(j, c)->header, wire_header::size);
+      check_header(h, d, rank_, j);
+    }
+  }
+
+  // Waits until counter i of rank r (or of every peer, r < 0) is at least v.
+  void wait_counter(counter_index i, std::uint64_t v, int r, const collective_desc& d, deadline dl, const char* what) {
+    if (r >= 0) {
+      wait([&] { return counter(r, i).load(std::memory_order_acquire) >= v; }, d, dl,
+           [&] { return std::string("waiting for rank ") + std::to_string(r) + " to " + what; });
+      return;
+    }
+    int next = 0;
+    wait(
+        [&] {
+          for (; next < size_; ++next)
+            if (next != rank_ && counter(next, i).load(std::memory_order_acquire) < v) return false;
+          return true;
+        },
+        d, dl, [&] { return "waiting for ranks " + ranks_where([&](int q) { return counter(q, i).load() < v; }) + " to " + what; });
+  }
+
+  void barrier_steps(const collective_desc& d, deadline dl) {
+    const std::uint64_t c = ++calls_;
+    publish(c, d, nullptr, 0);
+    enter(c, d, dl);
+  }
+
+  // The end of a zero-copy call: this rank is done with the peers' buffers; `wait_all`: and
+  // waits until every peer is done with this rank's.
+  void sync_all(const collective_desc& d, deadline dl, bool wait_all) {
+    const std::uint64_t s = ++syncs_;
+    set(shm_direct::synced, s);
+    if (wait_all) wait_counter(shm_direct::synced, s, -1, d, dl, "finish reading the shared buffers");
+  }
+
+  shm_direct::buffer_descriptor describe(const void* p, std::size_t bytes, bool unsafe_overlap) const {
+    shm_direct::buffer_descriptor b;
+    if (unsafe_overlap) return b;
+    if (auto where = registry_->find_span(p, bytes)) {
+      b.kind = 1;
+      b.allocation = where->allocation->id;
+      b.offset = where->offset;
+    }
+    return b;
+  }
+
+  shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
+    shm_direct::buffer_descriptor b;
+    std::memcpy(&b, slot_of(r, c)->payload(), sizeof b);
+    return b;
+  }
+
+  // Where rank r's buffer is mapped here, when it is a shared buffer; nullptr otherwise.
+  std::byte* resolve(int r, std::uint64_t c, std::size_t bytes, std::shared_ptr<ddp::detail::shared_allocation>& hold) {
+    const auto b = descriptor_of(r, c);
+    if (b.kind != 1) return nullptr;
+    hold = registry_->find(b.allocation);
+    if (!hold || b.offset + bytes > hold->bytes) {
+      throw error(errc::invalid_argument, "rank " + std::to_string(r) + " passed memory of shared buffer #" + std::to_string(b.allocation) +
+                                              ", which this rank has already freed: free shared buffers on every rank together",
+                  {.rank = rank_});
+    }
+    return hold->base(r) + b.offset;
+  }
+
+  template <class E>
+  bool zero_copy(std::uint64_t c, std::size_t bytes, ptrs<E>& bufs, std::vector<std::shared_ptr<ddp::detail::shared_allocation>>& hold) {
+    for (int j = 0; j < size_; ++j)
+      if (descriptor_of(j, c).kind != 1) return false;
+    hold.resize(static_cast<std::size_t>(size_));
+    for (int j = 0; j < size_; ++j) bufs[j] = reinterpret_cast<E*>(resolve(j, c, bytes, hold[static_cast<std::size_t>(j)]));
+    return true;
+  }
+
+  const std::byte* shared_source(int root, std::uint64_t c, std::size_t bytes, std::shared_ptr<ddp::detail::shared_allocation>& hold) {
+    return resolve(root, c, bytes, hold);
+  }
+
+  // --- staged pipeline (ordinary memory) ---------------------------------------------------
+
+  // Before writing staging chunk g: every peer has finished reading chunk g - depth.
+  void wait_reuse(std::uint64_t g, const collective_desc& d, deadline dl) {
+    const auto depth = static_cast<std::uint64_t>(opts_.depth);
+    if (g >= depth) wait_counter(shm_direct::done, g - depth + 1, -1, d, dl, "release a staging chunk");
+  }
+
+  template <class E, class Op>
+  void staged_reduce(E* data, std::size_t n, Op op, int root, const collective_desc& d, deadline dl) {
+    const std::size_t m = opts_.chunk_bytes / sizeof(E);
+    const std::size_t chunks = (n + m - 1) / m;
+    const std::uint64_t g0 = chunks_;
+    chunks_ += chunks;
+    auto length = [&](std::size_t k) { return std::min(m, n - k * m); };
+    auto stage = [&](int r, std::size_t k) { return reinterpret_cast<E*>(layout_.staging_at(base(r), g0 + k)); };
+    auto copy_in = [&](std::size_t k) {
+      wait_reuse(g0 + k, d, dl);
+      std::memcpy(stage(rank_, k), data + k * m, length(k) * sizeof(E));
+      set(shm_direct::arrived, g0 + k + 1);
+    };
+    ptrs<const E> src(size_);
+    copy_in(0);
+    for (std::size_t k = 0; k < chunks; ++k) {
+      const std::uint64_t g = g0 + k;
+      const std::size_t len = length(k);
+      const std::size_t lo = shm_direct::slice_begin<E>(len, size_, rank_), hi = shm_direct::slice_begin<E>(len, size_, rank_ + 1);
+      wait_counter(shm_direct::arrived, g + 1, -1, d, dl, "stage its chunk");
+      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + lo;
+      E* dst = stage(rank_, k) + lo;
+      shm_direct::fold(src.data(), size_, &dst, 1, hi - lo, op);
+      set(shm_direct::reduced, g + 1);
+      if (k + 1 < chunks) copy_in(k + 1);
+      if (root < 0 || root == rank_) {
+        wait_counter(shm_direct::reduced, g + 1, -1, d, dl, "reduce its slice");
+        for (int j = 0; j < size_; ++j) {
+          const std::size_t a = shm_direct::slice_begin<E>(len, size_, j), b = shm_direct::slice_begin<E>(len, size_, j + 1);
+          std::memcpy(data + k * m + a, stage(j, k) + a, (b - a) * sizeof(E));
+        }
+      }
+      set(shm_direct::done, g + 1);
+    }
+  }
+
+  void staged_broadcast(std::byte* data, std::size_t bytes, int root, const collective_desc& d, deadline dl) {
+    const std::size_t m = opts_.chunk_bytes;
+    const std::size_t chunks = (bytes + m - 1) / m;
+    const std::uint64_t g0 = chunks_;
+    chunks_ += chunks;
+    for (std::size_t k = 0; k < chunks; ++k) {
+      const std::uint64_t g = g0 + k;
+      const std::size_t len = std::min(m, bytes - k * m);
+      if (rank_ == root) {
+        wait_reuse(g, d, dl);
+        std::memcpy(layout_.staging_at(base(rank_), g), data + k * m, len);
+        set(shm_direct::arrived, g + 1);
+      } else {
+        wait_counter(shm_direct::arrived, g + 1, root, d, dl, "stage its chunk");
+        std::memcpy(data + k * m, layout_.staging_at(base(root), g), len);
+      }
+      set(shm_direct::done, g + 1);
+    }
+  }
+
+  template <class E>
+  void staged_gather(const E* in, E* out, std::size_t n, const collective_desc& d, deadline dl) {
+    const std::size_t m = opts_.chunk_bytes / sizeof(E);
+    const std::size_t chunks = (n + m - 1) / m;
+    const std::uint64_t g0 = chunks_;
+    chunks_ += chunks;
+    auto length = [&](std::size_t k) { return std::min(m, n - k * m); };
+    auto stage = [&](int r, std::size_t k) { return reinterpret_cast<E*>(layout_.staging_at(base(r), g0 + k)); };
+    auto copy_in = [&](std::size_t k) {
+      wait_reuse(g0 + k, d, dl);
+      std::memcpy(stage(rank_, k), in + k * m, length(k) * sizeof(E));
+      set(shm_direct::arrived, g0 + k + 1);
+    };
+    copy_in(0);
+    for (std::size_t k = 0; k < chunks; ++k) {
+      if (k + 1 < chunks) copy_in(k + 1);
+      wait_counter(shm_direct::arrived, g0 + k + 1, -1, d, dl, "stage its chunk");
+      for (int j = 0; j < size_; ++j)
+        if (j != rank_) std::memcpy(out + static_cast<std::size_t>(j) * n + k * m, stage(j, k), length(k) * sizeof(E));
+      set(shm_direct::done, g0 + k + 1);
+    }
+  }
+
+  // in holds size() blocks of n; each chunk stages the same piece of every block, and
+  // use(pieces, at, len) gets, for every rank j, rank j's piece of block rank().
+  template <class E, class Use>
+  void staged_blocks(const E* in, std::size_t n, const collective_desc& d, deadline dl, Use&& use) {
+    const std::size_t piece = std::max<std::size_t>(1, opts_.chunk_bytes / sizeof(E) / static_cast<std::size_t>(size_));
+    const std::size_t chunks = (n + piece - 1) / piece;
+    const std::uint64_t g0 = chunks_;
+    chunks_ += chunks;
+    auto length = [&](std::size_t k) { return std::min(piece, n - k * piece); };
+    auto stage = [&](int r, std::size_t k) { return reinterpret_cast<E*>(layout_.staging_at(base(r), g0 + k)); };
+    auto copy_in = [&](std::size_t k) {
+      wait_reuse(g0 + k, d, dl);
+      E* s = stage(rank_, k);
+      for (int b = 0; b < size_; ++b)
+        std::memcpy(s + static_cast<std::size_t>(b) * piece, in + static_cast<std::size_t>(b) * n + k * piece, length(k) * sizeof(E));
+      set(shm_direct::arrived, g0 + k + 1);
+    };
+    ptrs<const E> src(size_);
+    copy_in(0);
+    for (std::size_t k = 0; k < chunks; ++k) {
+      if (k + 1 < chunks) copy_in(k + 1);
+      wait_counter(shm_direct::arrived, g0 + k + 1, -1, d, dl, "stage its chunk");
+      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + static_cast<std::size_t>(rank_) * piece;
+      use(src.data(), k * piece, length(k));
+      set(shm_direct::done, g0 + k + 1);
+    }
+  }
+
+  options opts_;
+  shm_direct::layout layout_;
+  int rank_;
+  int size_;
+  mutable ddp::detail::shm::shm_group group_;
+  shm_transport p2p_;
+  std::shared_ptr<ddp::detail::shared_registry> registry_;
+  std::uint64_t calls_ = 0;        // collective calls (slot numbers), the same on every rank
+  std::uint64_t chunks_ = 0;       // staged chunks so far
+  std::uint64_t syncs_ = 0;        // zero-copy end-of-call handoffs so far
+  std::uint64_t allocations_ = 0;  // shared buffers allocated so far
+  std::optional<error> failed_;
+};
+
+}  // namespace ddp::algo

@@ -1,0 +1,137 @@
+#pragma once
+// Building blocks of the direct shared-memory algorithms (used by shm_communicator):
+// the per-rank control layout, the partition of a buffer into per-rank slices, and the
+// reduction kernel.
+//
+// The reduction order is fixed: element i of a reduction over p ranks is
+//   finish(op(...op(op(x_0[i], x_1[i]), x_2[i])..., x_{p-1}[i]), p)
+// computed in accumulate_t<E> (float for float16/bfloat16) and converted to E once. Every rank
+// computes an element the same way (or reads the one rank that computed it), so results are
+// bit-identical on all ranks, whichever path (small, staged, zero-copy) a call takes.
+//
+// Per-rank control layout, in that rank's segment (written only by its owner):
+//   slot[2]      one per call parity: u64 call number | 32-byte wire_header | payload.
+//                The payload is the data of a small collective, or a descriptor saying where
+//                the rank's buffer is (staging, or a shared_buffer allocation + offset).
+//                A slot is valid for call c only when its call number is c: stale slots are
+//                never mistaken for new ones. Two slots suffice because no rank can enter
+//                call c + 2 before every rank has entered call c + 1 (each call starts with
+//                every rank waiting for every other's slot).
+//   counters     monotonic, each on its own cache line: arrived / reduced / done chunk totals of
+//                the staged pipeline and the sync count of the zero-copy path.
+//   staging      `depth` chunks of `chunk_bytes` for user buffers.
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "ddp/core/collective.hpp"
+#include "ddp/core/dtype.hpp"
+#include "ddp/core/reduce_op.hpp"
+#include "ddp/transport/detail/shm_segment.hpp"
+
+namespace ddp::algo::shm_direct {
+
+inline constexpr std::size_t cache_line = ddp::detail::shm::cache_line;
+
+/// Where a rank's buffer for a call is: peers read it in place when every buffer is shared.
+struct buffer_descriptor {
+  std::uint32_t kind = 0;  // 0: ordinary memory (goes through staging), 1: shared_buffer
+  std::uint32_t reserved = 0;
+  std::uint64_t allocation = 0;
+  std::uint64_t offset = 0;  // bytes from the start of the rank's own segment of the allocation
+};
+static_assert(sizeof(buffer_descriptor) == 24);
+
+struct slot {
+  static constexpr std::size_t payload_offset = 40;  // call (8) + header (32)
+  std::atomic<std::uint64_t> call;
+  unsigned char header[wire_header::size];
+  // payload follows, starting 8-byte aligned
+  std::byte* payload() noexcept { return reinterpret_cast<std::byte*>(this) + payload_offset; }
+  const std::byte* payload() const noexcept { return reinterpret_cast<const std::byte*>(this) + payload_offset; }
+};
+static_assert(offsetof(slot, header) == 8);
+
+struct alignas(cache_line) counter_line {
+  std::atomic<std::uint64_t> value;
+};
+
+enum counter_index { arrived = 0, reduced = 1, done = 2, synced = 3, counter_count = 4 };
+
+/// Offsets in a rank's payload area.
+struct layout {
+  std::size_t small_bytes;  // payload capacity of a slot
+  std::size_t chunk_bytes;
+  int depth;
+  std::size_t slot_bytes() const noexcept { return (slot::payload_offset + small_bytes + cache_line - 1) / cache_line * cache_line; }
+  std::size_t counters_offset() const noexcept { return 2 * slot_bytes(); }
+  std::size_t staging_offset() const noexcept {
+    return (counters_offset() + counter_count * sizeof(counter_line) + 4095) / 4096 * 4096;
+  }
+  std::size_t total_bytes() const noexcept { return staging_offset() + static_cast<std::size_t>(depth) * chunk_bytes; }
+
+  slot* slot_at(std::byte* base, std::uint64_t call) const noexcept {
+    return reinterpret_cast<slot*>(base + (call & 1u) * slot_bytes());
+  }
+  counter_line* counter_at(std::byte* base, counter_index i) const noexcept {
+    return reinterpret_cast<counter_line*>(base + counters_offset()) + i;
+  }
+  std::byte* staging_at(std::byte* base, std::uint64_t chunk) const noexcept {
+    return base + staging_offset() + static_cast<std::size_t>(chunk % static_cast<std::uint64_t>(depth)) * chunk_bytes;
+  }
+};
+
+/// Start of rank r's slice of n elements split p ways, on cache-line boundaries so that ranks
+/// writing neighbouring slices never share a line.
+template <class E>
+constexpr std::size_t slice_begin(std::size_t n, int p, int r) noexcept {
+  constexpr std::size_t align = std::max<std::size_t>(1, cache_line / sizeof(E));
+  const std::size_t units = (n + align - 1) / align;
+  return std::min(n, units * static_cast<std::size_t>(r) / static_cast<std::size_t>(p) * align);
+}
+
+template <class E>
+inline accumulate_t<E> to_acc(E x) noexcept {
+  if constexpr (half_precision<E>) return static_cast<float>(x);
+  else return x;
+}
+template <class E>
+inline E from_acc(accumulate_t<E> x) noexcept {
+  if constexpr (half_precision<E>) return E(x);
+  else return static_cast<E>(x);
+}
+
+/// dst[d][i] = the reduction of srcs[0..p)[i] for i < n, for every destination d. Destinations
+/// may be sources (each block is read completely before it is written).
+template <class E, class Op>
+void fold(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept {
+  using A = accumulate_t<E>;
+  constexpr std::size_t block = 2048;
+  A tmp[block];
+  for (std::size_t i0 = 0; i0 < n; i0 += block) {
+    const std::size_t m = std::min(block, n - i0);
+    {
+      const E* s = srcs[0] + i0;
+      for (std::size_t i = 0; i < m; ++i) tmp[i] = to_acc(s[i]);
+    }
+    for (int j = 1; j < p; ++j) {
+      const E* s = srcs[j] + i0;
+      for (std::size_t i = 0; i < m; ++i) tmp[i] = op(tmp[i], to_acc(s[i]));
+    }
+    if constexpr (Op::kind == reduce_kind::avg) {
+      for (std::size_t i = 0; i < m; ++i) tmp[i] = op.finish(tmp[i], p);
+    }
+    for (int d = 0; d < ndst; ++d) {
+      E* out = dsts[d] + i0;
+      if constexpr (std::is_same_v<A, E>) std::memcpy(out, tmp, m * sizeof(E));
+      else
+        for (std::size_t i = 0; i < m; ++i) out[i] = from_acc<E>(tmp[i]);
+    }
+  }
+}
+
+}  // namespace ddp::algo::shm_direct

@@ -1,0 +1,456 @@
+// shm_communicator, ranks as forked processes over a file_store: every collective x dtype x size x
+// group size, for ordinary (staged) and group-allocated (zero-copy) buffers, against references
+// computed here in float64 (floats, with a tolerance) or exactly (integers), from inputs that are a
+// function of (rank, index). All-reduce results are also compared bit for bit across ranks.
+#include <dirent.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/store/file_store.hpp"
+#include "ddp/store/hash_store.hpp"
+#include "support/multiprocess.hpp"
+
+using namespace std::chrono_literals;
+using ddp::collective;
+using ddp::reduce_kind;
+using comm_t = ddp::algo::shm_communicator;
+
+namespace {
+
+const std::vector<std::size_t> all_sizes = {0, 1, 7, 1023, (std::size_t{1} << 20) + 3};
+const std::vector<int> group_sizes = {1, 2, 3, 4, 8};
+
+std::vector<std::string> shm_entries(const std::string& needle) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (std::string(e->d_name).find(needle) != std::string::npos) out.push_back(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+// Runs fn(rank, comm) on p forked ranks; fails the test case on any rank's failure or a leftover segment.
+template <class Fn>
+void run_group(int p, const std::string& name, Fn fn, comm_t::options opts = {}) {
+  static int counter = 0;
+  const std::string tag = name + std::to_string(::getpid()) + "x" + std::to_string(++counter);
+  const std::string path = "/tmp/ddp-" + tag + ".store";
+  ::unlink(path.c_str());
+  const auto result = ddp::test::run_ranks(
+      p,
+      [&](int rank) {
+        ddp::store::file_store st(path);
+        comm_t comm(st, tag + "/", rank, p, ddp::deadline::after(60s), opts);
+        fn(rank, comm);
+      },
+      170s);
+  ::unlink(path.c_str());
+  INFO("p=" << p << "\n" << result.describe());
+  REQUIRE(result.ok());
+  CHECK(shm_entries(tag + "_").empty());
+  // Bit-identical results: every rank printed "H <label> <hash>" for the same labels.
+  std::map<std::string, std::string> first;
+  for (const auto& r : result.ranks) {
+    std::istringstream lines(r.output);
+    std::string line;
+    while (std::getline(lines, line)) {
+      if (line.rfind("H ", 0) != 0) continue;
+      const auto cut = line.rfind(' ');
+      const auto label = line.substr(2, cut - 2), hash = line.substr(cut + 1);
+      auto [it, fresh] = first.emplace(label, hash);
+      INFO("rank " << r.rank << " " << label);
+      if (!fresh) CHECK(it->second == hash);
+    }
+  }
+}
+
+template <class E>
+const char* type_name() {
+  return ddp::to_string(ddp::dtype_of<E>).data();
+}
+
+// Inputs: a function of (rank, index) only. Integers stay small enough not to overflow int32 sums;
+// uint8 sums over 8 ranks stay below 256; products use {1, 1.5, 2} (floats) or {1, 2, 3} (integers).
+template <class E>
+E input(int rank, std::size_t i, reduce_kind k = reduce_kind::sum) {
+  const auto r = static_cast<std::size_t>(rank);
+  if constexpr (std::is_integral_v<E>) {
+    if (k == reduce_kind::prod) return static_cast<E>(1 + (r + i) % 3);
+    if constexpr (std::is_same_v<E, std::uint8_t>) return static_cast<E>((r * 131 + i * 31) % 29);
+    else return static_cast<E>(static_cast<long>((r * 131 + i * 31) % 97) - 48);
+  } else {
+    double v = 0;
+    if (k == reduce_kind::prod) v = 1.0 + static_cast<double>((r + i) % 3) * 0.5;
+    else if constexpr (std::is_floating_point_v<E>) v = std::sin(0.1 * static_cast<double>(i) + rank) * 10.0;
+    else v = static_cast<double>((r * 131 + i * 31) % 97) / 8.0 - 6.0;
+    if constexpr (std::is_floating_point_v<E>) return static_cast<E>(v);
+    else return E(static_cast<float>(v));
+  }
+}
+
+template <class E>
+double as_double(E x) {
+  if constexpr (ddp::half_precision<E>) return static_cast<double>(static_cast<float>(x));
+  else return static_cast<double>(x);
+}
+
+// The reference of a reduction over ranks 0..p-1 of element i, in rank order: float64 for floats,
+// int64 wrapped to E for integers (what fixed-width integer arithmetic gives).
+template <class E>
+double reference(int p, std::size_t i, reduce_kind k) {
+  if constexpr (std::is_integral_v<E>) {
+    std::int64_t acc = static_cast<std::int64_t>(input<E>(0, i, k));
+    for (int r = 1; r < p; ++r) {
+      const auto x = static_cast<std::int64_t>(input<E>(r, i, k));
+      switch (k) {
+        case reduce_kind::sum: case reduce_kind::avg: acc += x; break;
+        case reduce_kind::prod: acc *= x; break;
+        case reduce_kind::min: acc = std::min(acc, x); break;
+        case reduce_kind::max: acc = std::max(acc, x); break;
+      }
+    }
+    E wrapped = static_cast<E>(acc);
+    if (k == reduce_kind::avg) wrapped = static_cast<E>(wrapped / static_cast<E>(p));
+    return static_cast<double>(wrapped);
+  } else {
+    double acc = as_double(input<E>(0, i, k));
+    for (int r = 1; r < p; ++r) {
+      const double x = as_double(input<E>(r, i, k));
+      switch (k) {
+        case reduce_kind::sum: case reduce_kind::avg: acc += x; break;
+        case reduce_kind::prod: acc *= x; break;
+        case reduce_kind::min: acc = std::min(acc, x); break;
+        case reduce_kind::max: acc = std::max(acc, x); break;
+      }
+    }
+    if (k == reduce_kind::avg) acc /= p;
+    return acc;
+  }
+}
+
+template <class E>
+double tolerance() {
+  if constexpr (std::is_integral_v<E>) return 0;
+  else if constexpr (std::is_same_v<E, double>) return 1e-12;
+  else if constexpr (std::is_same_v<E, float>) return 1e-5;
+  else if constexpr (std::is_same_v<E, ddp::float16>) return 1.0 / 512;
+  else return 1.0 / 64;  // bfloat16: 8 significant bits
+}
+
+template <class E>
+void expect_near(E got, double want, const std::string& what, std::size_t i) {
+  const double g = as_double(got);
+  const double tol = tolerance<E>() * (1.0 + std::fabs(want));
+  if (!(std::fabs(g - want) <= tol)) {
+    throw std::runtime_error(what + ": element " + std::to_string(i) + " is " + std::to_string(g) + ", expected " + std::to_string(want));
+  }
+}
+template <class E>
+void expect_equal(E got, E want, const std::string& what, std::size_t i) {
+  if (std::memcmp(&got, &want, sizeof(E)) != 0) {
+    throw std::runtime_error(what + ": element " + std::to_string(i) + " is " + std::to_string(as_double(got)) + ", expected " +
+                             std::to_string(as_double(want)));
+  }
+}
+
+template <class E>
+std::uint64_t hash_of(std::span<const E> v) {
+  std::uint64_t h = 1469598103934665603ull;
+  const auto* b = reinterpret_cast<const unsigned char*>(v.data());
+  for (std::size_t i = 0; i < v.size_bytes(); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+template <class F>
+void for_each_dtype(F&& f) {
+  f(std::type_identity<float>{});
+  f(std::type_identity<double>{});
+  f(std::type_identity<ddp::float16>{});
+  f(std::type_identity<ddp::bfloat16>{});
+  f(std::type_identity<std::int32_t>{});
+  f(std::type_identity<std::int64_t>{});
+  f(std::type_identity<std::uint8_t>{});
+}
+
+ddp::collective_desc make_desc(std::uint64_t seq, collective op, ddp::dtype t, std::size_t count, reduce_kind k = reduce_kind::sum,
+                               int root = -1) {
+  ddp::collective_desc d;
+  d.seq = seq;
+  d.op = op;
+  d.type = t;
+  d.count = count;
+  d.reduction = k;
+  d.root = root;
+  return d;
+}
+
+// A buffer of n elements: ordinary memory, or from the group (every rank allocates in the same order).
+template <class E>
+struct test_buffer {
+  std::vector<E> own;
+  ddp::shared_buffer<E> shared;
+  bool group;
+  test_buffer(comm_t& c, std::size_t n, bool g) : group(g) {
+    if (g) shared = c.allocate<E>(n, ddp::deadline::after(30s));
+    else own.resize(n);
+  }
+  std::span<E> span() { return group ? shared.span() : std::span<E>(own); }
+};
+
+std::vector<std::size_t> sizes_for(int p) {
+  std::vector<std::size_t> s = all_sizes;
+  if (p > 4) s.pop_back();  // the big size only for p <= 4
+  return s;
+}
+
+std::string label(const char* op, const char* type, std::size_t n, bool group) {
+  return std::string(op) + " " + type + " n=" + std::to_string(n) + (group ? " group" : " user");
+}
+
+}  // namespace
+
+TEST_CASE("shm collectives: all_reduce (sum) matches the float64 / exact reference, bit-identical on every rank") {
+  for (int p : group_sizes) {
+    run_group(p, "shmar", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p))
+          for (bool group : {false, true}) {
+            test_buffer<E> buf(comm, n, group);
+            auto data = buf.span();
+            for (std::size_t i = 0; i < n; ++i) data[i] = input<E>(rank, i);
+            comm.all_reduce(data, ddp::sum{}, make_desc(++seq, collective::all_reduce, ddp::dtype_of<E>, n), ddp::deadline::after(60s));
+            const auto what = label("all_reduce", type_name<E>(), n, group);
+            for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<E>(p, i, reduce_kind::sum), what, i);
+            std::printf("H %s %llx\n", what.c_str(), static_cast<unsigned long long>(hash_of<E>(data)));
+          }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: every reduce op (sum avg min max prod) on every dtype, small and large, both buffer kinds") {
+  for (int p : {2, 3, 8}) {
+    run_group(p, "shmops", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : {std::size_t{7}, std::size_t{70001}})
+          for (bool group : {false, true})
+            for (auto kind : {reduce_kind::sum, reduce_kind::avg, reduce_kind::min, reduce_kind::max, reduce_kind::prod}) {
+              test_buffer<E> buf(comm, n, group);
+              auto data = buf.span();
+              for (std::size_t i = 0; i < n; ++i) data[i] = input<E>(rank, i, kind);
+              ddp::visit_reduce_kind(kind, [&](auto op) {
+                comm.all_reduce(data, op, make_desc(++seq, collective::all_reduce, ddp::dtype_of<E>, n, kind), ddp::deadline::after(60s));
+              });
+              const auto what = label(ddp::to_string(kind).data(), type_name<E>(), n, group);
+              for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<E>(p, i, kind), what, i);
+              std::printf("H %s %llx\n", what.c_str(), static_cast<unsigned long long>(hash_of<E>(data)));
+            }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: reduce delivers the reduction to the root and leaves the others' buffers alone") {
+  for (int p : group_sizes) {
+    run_group(p, "shmred", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      const int root = p / 2;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p))
+          for (bool group : {false, true}) {
+            test_buffer<E> buf(comm, n, group);
+            auto data = buf.span();
+            for (std::size_t i = 0; i < n; ++i) data[i] = input<E>(rank, i);
+            comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype_of<E>, n, reduce_kind::sum, root),
+                        ddp::deadline::after(60s));
+            const auto what = label("reduce", type_name<E>(), n, group);
+            for (std::size_t i = 0; i < n; ++i) {
+              if (rank == root) expect_near(data[i], reference<E>(p, i, reduce_kind::sum), what, i);
+              else expect_equal(data[i], input<E>(rank, i), what + " (non-root)", i);
+            }
+          }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: broadcast copies the root's buffer exactly") {
+  for (int p : group_sizes) {
+    run_group(p, "shmbc", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      const int root = p - 1;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p))
+          for (bool group : {false, true}) {
+            test_buffer<E> buf(comm, n, group);
+            auto data = buf.span();
+            for (std::size_t i = 0; i < n; ++i) data[i] = input<E>(rank, i);
+            comm.broadcast(data, root, make_desc(++seq, collective::broadcast, ddp::dtype_of<E>, n, reduce_kind::sum, root), ddp::deadline::after(60s));
+            const auto what = label("broadcast", type_name<E>(), n, group);
+            for (std::size_t i = 0; i < n; ++i) expect_equal(data[i], input<E>(root, i), what, i);
+          }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: all_gather puts rank j's input at block j of every rank's output") {
+  for (int p : group_sizes) {
+    run_group(p, "shmag", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p))
+          for (bool group : {false, true}) {
+            test_buffer<E> in(comm, n, group), out(comm, n * static_cast<std::size_t>(p), group);
+            auto src = in.span();
+            for (std::size_t i = 0; i < n; ++i) src[i] = input<E>(rank, i);
+            comm.all_gather(std::span<const E>(src), out.span(), make_desc(++seq, collective::all_gather, ddp::dtype_of<E>, n),
+                            ddp::deadline::after(60s));
+            const auto what = label("all_gather", type_name<E>(), n, group);
+            auto got = out.span();
+            for (int j = 0; j < p; ++j)
+              for (std::size_t i = 0; i < n; ++i) expect_equal(got[static_cast<std::size_t>(j) * n + i], input<E>(j, i), what, i);
+          }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: reduce_scatter (sum) gives rank r the reduction of block r") {
+  for (int p : group_sizes) {
+    run_group(p, "shmrs", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p))
+          for (bool group : {false, true}) {
+            const std::size_t total = n * static_cast<std::size_t>(p);
+            test_buffer<E> in(comm, total, group), out(comm, n, group);
+            auto src = in.span();
+            for (std::size_t i = 0; i < total; ++i) src[i] = input<E>(rank, i);
+            comm.reduce_scatter(std::span<const E>(src), out.span(), ddp::sum{},
+                                make_desc(++seq, collective::reduce_scatter, ddp::dtype_of<E>, n), ddp::deadline::after(60s));
+            const auto what = label("reduce_scatter", type_name<E>(), n, group);
+            auto got = out.span();
+            const std::size_t offset = static_cast<std::size_t>(rank) * n;
+            for (std::size_t i = 0; i < n; ++i) expect_near(got[i], reference<E>(p, offset + i, reduce_kind::sum), what, i);
+          }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: all_to_all sends block j of rank r to block r of rank j") {
+  for (int p : group_sizes) {
+    run_group(p, "shma2a", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p))
+          for (bool group : {false, true}) {
+            const std::size_t total = n * static_cast<std::size_t>(p);
+            test_buffer<E> in(comm, total, group), out(comm, total, group);
+            auto src = in.span();
+            for (std::size_t i = 0; i < total; ++i) src[i] = input<E>(rank, i);
+            comm.all_to_all(std::span<const E>(src), out.span(), make_desc(++seq, collective::all_to_all, ddp::dtype_of<E>, total),
+                            ddp::deadline::after(60s));
+            const auto what = label("all_to_all", type_name<E>(), n, group);
+            auto got = out.span();
+            for (int j = 0; j < p; ++j)
+              for (std::size_t i = 0; i < n; ++i)
+                expect_equal(got[static_cast<std::size_t>(j) * n + i], input<E>(j, static_cast<std::size_t>(rank) * n + i), what, i);
+          }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: in-place all_gather, reduce_scatter and all_to_all") {
+  for (int p : {2, 3, 4}) {
+    run_group(p, "shminpl", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      const auto pp = static_cast<std::size_t>(p);
+      for (std::size_t n : {std::size_t{5}, std::size_t{300000}})
+        for (bool group : {false, true}) {
+          test_buffer<float> buf(comm, n * pp, group);
+          auto b = buf.span();
+          // all_gather: in is this rank's own block of out.
+          for (std::size_t i = 0; i < n; ++i) b[static_cast<std::size_t>(rank) * n + i] = input<float>(rank, i);
+          comm.all_gather(std::span<const float>(b.subspan(static_cast<std::size_t>(rank) * n, n)), b,
+                          make_desc(++seq, collective::all_gather, ddp::dtype::float32, n), ddp::deadline::after(60s));
+          for (int j = 0; j < p; ++j)
+            for (std::size_t i = 0; i < n; ++i) expect_equal(b[static_cast<std::size_t>(j) * n + i], input<float>(j, i), "in-place all_gather", i);
+          // reduce_scatter: out is this rank's own block of in.
+          for (std::size_t i = 0; i < n * pp; ++i) b[i] = input<float>(rank, i);
+          comm.reduce_scatter(std::span<const float>(b), b.subspan(static_cast<std::size_t>(rank) * n, n), ddp::sum{},
+                              make_desc(++seq, collective::reduce_scatter, ddp::dtype::float32, n), ddp::deadline::after(60s));
+          for (std::size_t i = 0; i < n; ++i)
+            expect_near(b[static_cast<std::size_t>(rank) * n + i], reference<float>(p, static_cast<std::size_t>(rank) * n + i, reduce_kind::sum),
+                        "in-place reduce_scatter", i);
+          // all_to_all: in and out are the same memory.
+          for (std::size_t i = 0; i < n * pp; ++i) b[i] = input<float>(rank, i);
+          comm.all_to_all(std::span<const float>(b), b, make_desc(++seq, collective::all_to_all, ddp::dtype::float32, n * pp),
+                          ddp::deadline::after(60s));
+          for (int j = 0; j < p; ++j)
+            for (std::size_t i = 0; i < n; ++i)
+              expect_equal(b[static_cast<std::size_t>(j) * n + i], input<float>(j, static_cast<std::size_t>(rank) * n + i), "in-place all_to_all", i);
+        }
+    });
+  }
+}
+
+TEST_CASE("shm collectives: send/recv around the ring and barriers") {
+  for (int p : {2, 3, 4, 8}) {
+    run_group(p, "shmp2p", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      const int to = (rank + 1) % p, from = (rank - 1 + p) % p;
+      for_each_dtype([&]<class E>(std::type_identity<E>) {
+        for (std::size_t n : sizes_for(p)) {
+          std::vector<E> out(n), in(n);
+          for (std::size_t i = 0; i < n; ++i) out[i] = input<E>(rank, i);
+          const auto send_desc = make_desc(++seq, collective::send, ddp::dtype_of<E>, n);
+          auto recv_desc = send_desc;
+          recv_desc.op = collective::recv;
+          // Even ranks send first, odd ranks receive first: no cycle of blocked senders.
+          if (rank % 2 == 0) {
+            comm.send(std::span<const E>(out), to, send_desc, ddp::deadline::after(60s));
+            comm.recv(std::span<E>(in), from, recv_desc, ddp::deadline::after(60s));
+          } else {
+            comm.recv(std::span<E>(in), from, recv_desc, ddp::deadline::after(60s));
+            comm.send(std::span<const E>(out), to, send_desc, ddp::deadline::after(60s));
+          }
+          for (std::size_t i = 0; i < n; ++i) expect_equal(in[i], input<E>(from, i), std::string("recv ") + type_name<E>(), i);
+          comm.barrier(make_desc(++seq, collective::barrier, ddp::dtype::uint8, 0), ddp::deadline::after(60s));
+        }
+      });
+    });
+  }
+}
+
+TEST_CASE("shm collectives: a group of one copies only") {
+  ddp::store::hash_store st;
+  comm_t comm(st, "solo/", 0, 1, ddp::deadline::after(10s));
+  std::vector<float> in = {1, 2, 3}, out(3);
+  comm.all_gather(std::span<const float>(in), std::span<float>(out), make_desc(1, collective::all_gather, ddp::dtype::float32, 3),
+                  ddp::deadline::after(1s));
+  CHECK(out == in);
+  comm.all_reduce(std::span<float>(in), ddp::avg{}, make_desc(2, collective::all_reduce, ddp::dtype::float32, 3, reduce_kind::avg),
+                  ddp::deadline::after(1s));
+  CHECK(in == std::vector<float>{1, 2, 3});
+  auto shared = comm.allocate<double>(10, ddp::deadline::after(1s));
+  CHECK(shared.size() == 10);
+  for (double x : shared) CHECK(x == 0.0);
+}
