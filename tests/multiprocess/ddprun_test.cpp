@@ -1,0 +1,288 @@
+// The ddprun binary, run as a user runs it: real processes, real signals, its exit code and
+// its lines on stderr. The workers are this binary (tests/scripts/launch_worker.hpp).
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <chrono>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "scripts/launch_worker.hpp"
+
+using namespace std::chrono_literals;
+
+namespace {
+
+#ifdef DDPRUN_EXE
+const std::string ddprun_exe = DDPRUN_EXE;
+#else
+const std::string ddprun_exe;
+#endif
+
+bool have_ddprun() {
+  if (ddprun_exe.empty() || ::access(ddprun_exe.c_str(), X_OK) != 0) {
+    WARN("SKIPPED: the ddprun binary was not built with this test (configure tools/ddprun)");
+    return false;
+  }
+  return true;
+}
+
+// ddprun [launcher args...] <this binary> --ddp-test-worker [worker args...]
+std::vector<std::string> ddprun(std::vector<std::string> launcher_args, const std::vector<std::string>& worker_args) {
+  launcher_args.insert(launcher_args.begin(), ddprun_exe);
+  launcher_args.push_back(ddp::test::self_exe());
+  launcher_args.push_back("--ddp-test-worker");
+  launcher_args.insert(launcher_args.end(), worker_args.begin(), worker_args.end());
+  return launcher_args;
+}
+
+std::vector<pid_t> all_pids(const std::map<int, std::vector<pid_t>>& recorded) {
+  std::vector<pid_t> out;
+  for (const auto& [rank, pids] : recorded) out.insert(out.end(), pids.begin(), pids.end());
+  return out;
+}
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  for (std::size_t nl; (nl = text.find('\n', start)) != std::string::npos; start = nl + 1) out.push_back(text.substr(start, nl - start));
+  if (start < text.size()) out.push_back(text.substr(start));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 runs two consistent workers") {
+  if (!have_ddprun()) return;
+  ddp::test::temp_dir dir;
+  ddp::test::child_process p(ddprun({"--standalone", "--nnodes=1", "--nproc-per-node=2"}, {"env", dir.path}));
+  const int code = p.wait(60s);
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  CHECK(code == 0);
+  CHECK(p.err_text.empty());
+  const std::regex port_re("MASTER_PORT=([0-9]+)");
+  std::set<std::string> ports, tokens;
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream in(dir.path + "/" + std::to_string(r) + ".env");
+    std::map<std::string, std::string> env;
+    for (std::string line; std::getline(in, line);) env[line.substr(0, line.find('='))] = line.substr(line.find('=') + 1);
+    CHECK(env["RANK"] == std::to_string(r));
+    CHECK(env["LOCAL_RANK"] == std::to_string(r));
+    CHECK(env["WORLD_SIZE"] == "2");
+    CHECK(env["LOCAL_WORLD_SIZE"] == "2");
+    CHECK(env["GROUP_RANK"] == "0");
+    CHECK(env["MASTER_ADDR"] == "127.0.0.1");
+    CHECK(env["MASTER_PORT"] != "29500");
+    ports.insert(env["MASTER_PORT"]);
+    tokens.insert(env["DDP_STORE_TOKEN"]);
+    CHECK(env["parsed"].rfind("torchrun " + std::to_string(r) + " 2 " + std::to_string(r) + " 2 127.0.0.1:", 0) == 0);
+  }
+  CHECK(ports.size() == 1);
+  CHECK(tokens.size() == 1);
+  CHECK(tokens.begin()->size() == 32);
+  // Output is passed through verbatim by default.
+  CHECK_THAT(p.out_text, Catch::Contains("worker RANK=0\n"));
+  CHECK_THAT(p.out_text, Catch::Contains("worker RANK=1\n"));
+}
+
+TEST_CASE("ddprun: a worker that exits 3 takes the job down within the grace period, named, no process left") {
+  if (!have_ddprun()) return;
+  ddp::test::temp_dir dir;
+  const auto start = std::chrono::steady_clock::now();
+  ddp::test::child_process p(ddprun({"--nproc-per-node=3", "--grace-period=1"}, {"fail", dir.path, "3", "1", "3"}));
+  const int code = p.wait(60s);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  CHECK(code == 3);
+  CHECK(elapsed < 1s + 1s);
+  const auto recorded = ddp::test::recorded_pids(dir.path);
+  REQUIRE(recorded.size() == 3);
+  CHECK(lines(p.err_text) ==
+        std::vector<std::string>{"ddprun: rank 1 (local 1, pid " + std::to_string(recorded.at(1)[0]) + ") exited with code 3"});
+  CHECK(ddp::test::survivors(all_pids(recorded), 5s).empty());
+}
+
+TEST_CASE("ddprun: a worker killed by SIGKILL is reported as a signal") {
+  if (!have_ddprun()) return;
+  ddp::test::temp_dir dir;
+  ddp::test::child_process p(ddprun({"--nproc-per-node=2"}, {"killself", dir.path, "2", "1"}));
+  const int code = p.wait(60s);
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  CHECK(code == 128 + SIGKILL);
+  const auto recorded = ddp::test::recorded_pids(dir.path);
+  REQUIRE(recorded.size() == 2);
+  CHECK_THAT(p.err_text, Catch::Contains("ddprun: rank 1 (local 1, pid " + std::to_string(recorded.at(1)[0]) +
+                                         ") was killed by signal 9 (Killed)\n"));
+  CHECK(ddp::test::survivors(all_pids(recorded), 5s).empty());
+}
+
+TEST_CASE("ddprun: SIGTERM and SIGINT to the launcher stop every worker and their children") {
+  if (!have_ddprun()) return;
+  for (int sig : {SIGTERM, SIGINT}) {
+    INFO("signal " << sig);
+    ddp::test::temp_dir dir;
+    ddp::test::child_process p(ddprun({"--nproc-per-node=2"}, {"block", dir.path, "2"}));
+    REQUIRE(p.wait_for_output("ready ", 2, 60s));
+    REQUIRE(ddp::test::wait_for_files(dir.path, ".pid", 2, 30s));
+    const auto start = std::chrono::steady_clock::now();
+    ::kill(p.pid(), sig);
+    const int code = p.wait(30s);
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+    CHECK(code == 128 + sig);
+    CHECK(elapsed < 5s);
+    CHECK_THAT(p.err_text, Catch::Contains(std::string("ddprun: received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") +
+                                           ", stopping 2 workers\n"));
+    const auto recorded = ddp::test::recorded_pids(dir.path);
+    CHECK(recorded.size() == 2);
+    CHECK(ddp::test::survivors(all_pids(recorded), 5s).empty());
+  }
+}
+
+TEST_CASE("ddprun: workers die with the launcher even when it is SIGKILLed") {
+  if (!have_ddprun()) return;
+  ddp::test::temp_dir dir;
+  ddp::test::child_process p(ddprun({"--nproc-per-node=2"}, {"block", dir.path, "2"}));
+  REQUIRE(p.wait_for_output("ready ", 2, 60s));
+  REQUIRE(ddp::test::wait_for_files(dir.path, ".pid", 2, 30s));
+  ::kill(p.pid(), SIGKILL);
+  CHECK(p.wait(30s) == 128 + SIGKILL);
+  // PR_SET_PDEATHSIG takes the workers down. (Their own children are out of reach once the
+  // launcher is gone: a program that forks should set PDEATHSIG in its children too.)
+  std::vector<pid_t> workers;
+  for (const auto& [rank, pids] : ddp::test::recorded_pids(dir.path)) workers.push_back(pids[0]);
+  CHECK(workers.size() == 2);
+  CHECK(ddp::test::survivors(workers, 5s).empty());
+  // Clean up the grandchildren that were orphaned.
+  for (const auto& [rank, pids] : ddp::test::recorded_pids(dir.path)) ::kill(pids[1], SIGKILL);
+}
+
+TEST_CASE("ddprun --standalone: two concurrent launches get different ports") {
+  if (!have_ddprun()) return;
+  // Each job's rank 0 binds its MASTER_PORT (as the store would) and holds it until stdin closes.
+  ddp::test::child_process a(ddprun({"--standalone", "--nproc-per-node=1"}, {"hold-port"}), {}, true);
+  ddp::test::child_process b(ddprun({"--standalone", "--nproc-per-node=1"}, {"hold-port"}), {}, true);
+  REQUIRE(a.wait_for_output(" bound\n", 1, 60s));
+  REQUIRE(b.wait_for_output(" bound\n", 1, 60s));
+  a.close_stdin();
+  b.close_stdin();
+  CHECK(a.wait(30s) == 0);
+  CHECK(b.wait(30s) == 0);
+  INFO("a: " << a.out_text << a.err_text << "b: " << b.out_text << b.err_text);
+  const std::regex port_re("port ([0-9]+) bound");
+  std::smatch ma, mb;
+  REQUIRE(std::regex_search(a.out_text, ma, port_re));
+  REQUIRE(std::regex_search(b.out_text, mb, port_re));
+  CHECK(ma[1].str() != mb[1].str());
+}
+
+TEST_CASE("ddprun: bad flags and bad configuration give one line and a non-zero exit") {
+  if (!have_ddprun()) return;
+  struct bad_case {
+    std::vector<std::string> args;
+    std::string message;
+    int code;
+  };
+  const std::vector<bad_case> table = {
+      {{"--bogus", "prog"}, "ddprun: unknown option '--bogus' (see --help)", 2},
+      {{"--nproc-per-node"}, "ddprun: option '--nproc-per-node' needs a value", 2},
+      {{"--nproc-per-node=abc", "prog"}, "ddprun: --nproc-per-node='abc' is not a positive integer, 'auto' or 'cpu'", 2},
+      {{"--nnodes=1:2", "prog"}, "ddprun: --nnodes='1:2': elastic node ranges are not supported (expected N or N:N)", 2},
+      {{"--master-port=70000", "prog"}, "ddprun: --master-port='70000' is out of range (expected 1-65535)", 2},
+      {{}, "ddprun: no program given (usage: ddprun [options] program [args...])", 2},
+      {{"--standalone", "--nnodes=2", "prog"}, "ddprun: --standalone runs one node; it cannot be combined with --nnodes=2", 2},
+      {{"--nnodes=2", "prog"}, "ddprun: --nnodes=2 needs --master-addr (the address of node 0, where rank 0 runs)", 2},
+      {{"--nnodes=2", "--node-rank=2", "--master-addr=127.0.0.1", "prog"},
+       "ddprun: --node-rank=2 is out of range for --nnodes=2 (expected 0 <= node rank < nnodes)", 2},
+      {{"ddp-no-such-program"}, "ddprun: program 'ddp-no-such-program' not found in PATH (give a path, e.g. ./ddp-no-such-program)", 2},
+      {{"/nonexistent/prog"}, "ddprun: cannot execute '/nonexistent/prog': no such file", 2},
+  };
+  for (const auto& c : table) {
+    std::vector<std::string> argv{ddprun_exe};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    ddp::test::child_process p(argv);
+    const int code = p.wait(30s);
+    INFO("expected: " << c.message << "\nstdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+    CHECK(code == c.code);
+    CHECK(p.out_text.empty());
+    CHECK(lines(p.err_text) == std::vector<std::string>{c.message});
+  }
+}
+
+TEST_CASE("ddprun: a bad environment gives one line on every rank and a non-zero exit") {
+  if (!have_ddprun()) return;
+  // Variables the launcher passes through to its workers; each worker reads its environment.
+  const std::vector<std::pair<std::string, std::string>> table = {
+      {"DDP_TIMEOUT", "abc"},
+      {"DDP_TIMEOUT", "-1"},
+  };
+  for (const auto& [name, value] : table) {
+    INFO(name << "=" << value);
+    ddp::test::child_process p(ddprun({"--nproc-per-node=2", "--grace-period=5"}, {"check-env"}), {{name, value}});
+    const int code = p.wait(30s);
+    INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+    CHECK(code == 1);
+    int worker_lines = 0, launcher_lines = 0;
+    for (const auto& line : lines(p.err_text)) {
+      if (line.rfind("ddp: " + name + "='" + value + "'", 0) == 0) ++worker_lines;
+      else if (std::regex_match(line, std::regex("ddprun: rank [01] \\(local [01], pid [0-9]+\\) exited with code 1"))) ++launcher_lines;
+      else FAIL_CHECK("unexpected line: " << line);
+    }
+    // The first failing rank stops the other, which may or may not have got to its check.
+    CHECK(worker_lines >= 1);
+    CHECK(launcher_lines == 1);
+  }
+}
+
+TEST_CASE("ddprun --help and --info exit 0") {
+  if (!have_ddprun()) return;
+  {
+    ddp::test::child_process p({ddprun_exe, "--help"});
+    CHECK(p.wait(30s) == 0);
+    CHECK_THAT(p.out_text, Catch::Contains("--nproc-per-node"));
+    CHECK_THAT(p.out_text, Catch::Contains("--standalone"));
+  }
+  {
+    ddp::test::child_process p({ddprun_exe, "--info"}, {{"RANK", "1"}, {"WORLD_SIZE", "2"}});
+    CHECK(p.wait(30s) == 0);
+    INFO(p.out_text);
+    CHECK_THAT(p.out_text, Catch::StartsWith("ddp 0."));
+    CHECK_THAT(p.out_text, Catch::Contains("cuda: "));
+    CHECK_THAT(p.out_text, Catch::Contains("launch environment (source: torchrun)"));
+    CHECK(std::regex_search(p.out_text, std::regex("  rank +1 +<- RANK")));
+  }
+}
+
+TEST_CASE("ddprun --prefix-output prefixes each worker line with its rank") {
+  if (!have_ddprun()) return;
+  ddp::test::child_process p(ddprun({"--nproc-per-node=2", "--prefix-output"}, {"echo"}));
+  CHECK(p.wait(30s) == 0);
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  for (int r = 0; r < 2; ++r) {
+    const std::string tag = "[rank " + std::to_string(r) + "] ";
+    CHECK_THAT(p.out_text, Catch::Contains(tag + "hello from rank " + std::to_string(r) + "\n"));
+    CHECK_THAT(p.out_text, Catch::Contains(tag + "tail " + std::to_string(r) + "\n"));  // unterminated line, flushed
+    CHECK_THAT(p.err_text, Catch::Contains(tag + "error line from rank " + std::to_string(r) + "\n"));
+  }
+  for (const auto& line : lines(p.out_text)) CHECK(line.rfind("[rank ", 0) == 0);
+}
+
+TEST_CASE("ddprun --max-restarts restarts the group; torchrun-only flags are accepted") {
+  if (!have_ddprun()) return;
+  ddp::test::child_process p(
+      ddprun({"--max-restarts=1", "--nproc_per_node=2", "--no-python", "--rdzv-backend=c10d", "--rdzv-endpoint", "localhost:0"},
+             {"fail-once", "0", "7"}));
+  const int code = p.wait(60s);
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  CHECK(code == 0);
+  CHECK_THAT(p.err_text, Catch::Contains("ddprun: warning: ignoring --rdzv-backend=c10d"));
+  CHECK_THAT(p.err_text, Catch::Contains("ddprun: warning: ignoring --rdzv-endpoint=localhost:0"));
+  CHECK_THAT(p.err_text, Catch::Contains(") exited with code 7\n"));
+  CHECK_THAT(p.err_text, Catch::Contains("ddprun: restarting the worker group (restart 1 of 1)\n"));
+  CHECK_THAT(p.out_text, Catch::Contains("attempt 1 rank 0\n"));
+  CHECK_THAT(p.out_text, Catch::Contains("attempt 1 rank 1\n"));
+}
