@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
 
 using namespace std::chrono_literals;
@@ -254,12 +255,16 @@ double reference(ddp::reduce_kind k, int p, std::size_t i, bool integral) {
   return acc;
 }
 
-template <class T>
+template <class T, bool Erased = false>
 void all_collectives(int p) {
   auto world = std::make_shared<local_world>(p);
   constexpr bool integral = std::is_integral_v<T>;
   run_threads(p, [&](int rank) {
-    auto g = make_group(world, rank);
+    auto typed = make_group(world, rank);
+    auto g = [&] {
+      if constexpr (Erased) return ddp::group(std::move(typed));
+      else return std::move(typed);
+    }();
     const std::size_t n = 7;
     // all_reduce, every op, in place and out of place
     for (auto kind : {ddp::reduce_kind::sum, ddp::reduce_kind::avg, ddp::reduce_kind::min, ddp::reduce_kind::max, ddp::reduce_kind::prod}) {
@@ -322,6 +327,54 @@ TEMPLATE_TEST_CASE("process_group: every collective, every dtype, p = 1..4", "[p
     INFO("p = " << p);
     all_collectives<TestType>(p);
   }
+}
+
+TEMPLATE_TEST_CASE("group (type-erased): every collective, every dtype, p = 1..4", "[group]", float, double, ddp::float16,
+                   ddp::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
+  for (int p = 1; p <= 4; ++p) {
+    INFO("p = " << p);
+    all_collectives<TestType, true>(p);
+  }
+}
+
+TEST_CASE("group (type-erased): async, errors, sub-groups and the concrete group behind it") {
+  auto world = std::make_shared<local_world>(2);
+  run_threads(2, [&](int rank) {
+    ddp::group g(make_group<true>(world, rank, 30s));
+    check(g.valid() && g.rank() == rank && g.size() == 2, "rank and size");
+    check(g.backend_name() == "local-extended", "backend name");
+    check(g.get_if<local_backend<true>>() != nullptr && g.get_if<local_backend<false>>() == nullptr, "get_if");
+    std::vector<ddp::bfloat16> h(5, ddp::bfloat16(1.5f));
+    auto w = g.all_reduce_async(h, ddp::avg{});
+    w.wait();
+    check(static_cast<float>(h[4]) == 1.5f, "bfloat16 avg");
+    check(w.desc().seq == 0 && w.desc().reduction == ddp::reduce_kind::avg, "desc through the erasure");
+    try {
+      g.broadcast(h, 7);
+      check(false, "root 7 accepted");
+    } catch (const ddp::error& e) {
+      check(e.code() == ddp::errc::invalid_argument, e.what());
+    }
+    auto sub = g.new_group({1});
+    check(sub.valid() == (rank == 1), "sub-group membership");
+    if (rank == 1) {
+      std::vector<int> x{5};
+      sub.all_reduce(x);
+      check(x[0] == 5 && sub.size() == 1, "group of one");
+    }
+    auto buf = g.allocate<double>(6);
+    check(buf.size() == 6 && !buf.shared(), "heap buffer from a backend without allocate");
+    for (auto& x : buf) x = rank;
+    g.all_reduce(buf);
+    check(buf[5] == 1.0, "all_reduce on a group_buffer");
+    g.set_timeout(5s);
+    check(g.timeout() == 5s, "timeout");
+    check(g.stats()[ddp::collective::all_reduce].calls == 2, "stats through the erasure");
+    check(g.next_sequence() == 2, "next_sequence");
+  });
+  ddp::group none;
+  CHECK_FALSE(none.valid());
+  CHECK_THROWS_AS(none.barrier(), ddp::error);
 }
 
 TEST_CASE("process_group: sequence numbers and fingerprints reach an extended backend") {

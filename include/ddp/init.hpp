@@ -1,0 +1,164 @@
+#pragma once
+// ddp::init_process_group: the job's process group, from the launch environment.
+//
+//   auto group = ddp::init_process_group();            // "ring": shm on one host, tcp across hosts
+//   auto group = ddp::init_process_group("tcp", {.timeout = 30s});
+//
+// 1. rank and world size come from ddp::launch_environment (torchrun, Open MPI, PMI, Slurm;
+//    nothing set is a world of one), unless init_options overrides them;
+// 2. the rendezvous store is init_options::store when given; otherwise, for a world larger
+//    than one, a tcp_store at MASTER_ADDR:MASTER_PORT whose server rank 0 runs (a world of one
+//    needs no store at all);
+// 3. the backend is built by the factory registered under the name. Built in: "ring", "tcp",
+//    "shm" (ring_backend with that transport choice). <ddp/nccl.hpp> and <ddp/mpi.hpp> register
+//    "nccl" and "mpi" (register_backend, through an inline variable); without them the name is
+//    errc::unavailable saying what to build and include. Unknown names are errc::config listing
+//    the registered ones.
+//
+// Every rank calls init_process_group the same number of times in the same order: each call
+// uses its own store key prefix ("<prefix>/<n>"), so calls never read each other's keys.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ddp/backends/ring.hpp"
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/env.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/group.hpp"
+#include "ddp/process_group.hpp"
+#include "ddp/store/store.hpp"
+#include "ddp/store/tcp_store.hpp"
+
+namespace ddp {
+
+struct init_options {
+  std::chrono::milliseconds timeout = default_timeout();       // every collective
+  std::chrono::milliseconds init_timeout = default_timeout();  // rendezvous: store connection, backend set-up
+  std::shared_ptr<store::store> store;                         // default: tcp_store at MASTER_ADDR:MASTER_PORT
+  std::optional<int> rank;                                     // default: from the environment
+  std::optional<int> world_size;                               // default: from the environment
+  std::string prefix = "ddp";                                  // store key prefix
+};
+
+/// What a backend factory gets: everything init_process_group worked out.
+struct backend_context {
+  std::string name;                     // the name asked for ("ring", "tcp", ...)
+  int rank = 0;
+  int world_size = 1;
+  std::shared_ptr<store::store> store;  // null for a world of one without init_options::store
+  std::string prefix;                   // unique to this init_process_group call
+  launch_environment env;
+  init_options options;
+};
+
+using backend_factory = std::function<group(const backend_context&)>;
+
+namespace detail {
+
+struct pg_registry {
+  pg_registry();  // with the built-in backends
+  std::mutex mutex;
+  std::map<std::string, backend_factory, std::less<>> factories;
+  std::uint64_t calls = 0;
+};
+
+inline group pg_make_ring(const backend_context& c, ring_options::transport_kind transport) {
+  ring_options o;
+  o.transport = transport;
+  o.prefix = c.prefix;
+  o.timeout = c.options.init_timeout;
+  return group(process_group<ring_backend>(ring_backend(c.store, c.rank, c.world_size, o), {.timeout = c.options.timeout}));
+}
+
+inline pg_registry::pg_registry() {
+  factories["ring"] = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::automatic); };
+  factories["tcp"] = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::tcp); };
+  factories["shm"] = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::shm); };
+}
+
+// A function-local static: registration from other headers' inline variables may run before
+// anything else here is initialised.
+inline pg_registry& pg_backends() {
+  static pg_registry registry;
+  return registry;
+}
+
+}  // namespace detail
+
+/// Makes `name` available to init_process_group (replacing an earlier factory of that name).
+/// Returns true, so a header can register with `inline const bool registered = ddp::register_backend(...)`.
+inline bool register_backend(std::string name, backend_factory factory) {
+  auto& r = detail::pg_backends();
+  std::lock_guard lock(r.mutex);
+  r.factories[std::move(name)] = std::move(factory);
+  return true;
+}
+
+/// The registered backend names, sorted.
+inline std::vector<std::string> registered_backends() {
+  auto& r = detail::pg_backends();
+  std::lock_guard lock(r.mutex);
+  std::vector<std::string> names;
+  for (const auto& [name, factory] : r.factories) names.push_back(name);
+  return names;
+}
+
+inline group init_process_group(std::string_view backend = "ring", init_options opts = {}) {
+  backend_factory factory;
+  std::uint64_t call = 0;
+  {
+    auto& r = detail::pg_backends();
+    std::lock_guard lock(r.mutex);
+    if (auto it = r.factories.find(backend); it != r.factories.end()) factory = it->second;
+    if (!factory) {
+      if (backend == "nccl") {
+        throw error(errc::unavailable,
+                    "backend 'nccl' is not available: build with CUDA and NCCL (target ddp::nccl) and include <ddp/nccl.hpp>",
+                    {.op = "init_process_group"});
+      }
+      if (backend == "mpi") {
+        throw error(errc::unavailable, "backend 'mpi' is not available: build with MPI (target ddp::mpi) and include <ddp/mpi.hpp>",
+                    {.op = "init_process_group"});
+      }
+      std::string known;
+      for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
+      throw error(errc::config, "unknown backend '" + std::string(backend) + "': known backends are " + known +
+                                    " (and nccl, mpi when their headers are included)",
+                  {.op = "init_process_group"});
+    }
+    call = r.calls++;
+  }
+
+  backend_context c;
+  c.name = std::string(backend);
+  c.env = launch_environment::from_environment();
+  c.rank = opts.rank.value_or(c.env.rank);
+  c.world_size = opts.world_size.value_or(c.env.world_size);
+  if (c.world_size < 1) {
+    throw error(errc::config, "world size " + std::to_string(c.world_size) + ": it must be at least 1", {.op = "init_process_group"});
+  }
+  if (c.rank < 0 || c.rank >= c.world_size) {
+    throw error(errc::config, "rank " + std::to_string(c.rank) + " is out of range for a world of " + std::to_string(c.world_size) +
+                                  " (expected 0.." + std::to_string(c.world_size - 1) + ")",
+                {.rank = c.rank, .op = "init_process_group"});
+  }
+  c.prefix = opts.prefix + "/" + std::to_string(call);
+  c.store = opts.store;
+  if (!c.store && c.world_size > 1) {
+    c.store = store::make_tcp_store(c.env.master_addr, static_cast<std::uint16_t>(c.env.master_port), c.rank == 0, opts.init_timeout);
+  }
+  c.options = std::move(opts);
+  return factory(c);
+}
+
+}  // namespace ddp

@@ -1,0 +1,188 @@
+// init_process_group: from torchrun-style environment variables in forked children (rank 0
+// serves the tcp_store at MASTER_ADDR:MASTER_PORT), a world of one without any store, explicit
+// overrides with a given store, the backend registry, and the errors for unknown or
+// not-compiled-in backends and bad environments.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ddp/init.hpp"
+#include "ddp/store/file_store.hpp"
+#include "support/multiprocess.hpp"
+
+using namespace std::chrono_literals;
+using ddp::test::check;
+
+namespace {
+
+// A port that was free a moment ago (the kernel's choice for port 0 on loopback).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    throw std::runtime_error("no free port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+void clear_launch_env() {
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",
+                        "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST"}) {
+    ::unsetenv(v);
+  }
+}
+
+void torchrun_env(int rank, int world, int port) {
+  clear_launch_env();
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+}
+
+template <class F>
+ddp::errc error_code_of(F&& f, std::string* what = nullptr) {
+  try {
+    f();
+  } catch (const ddp::error& e) {
+    if (what) *what = e.what();
+    return e.code();
+  }
+  return ddp::errc::internal;
+}
+
+}  // namespace
+
+TEST_CASE("init_process_group: ranks from torchrun's variables, store served by rank 0") {
+  for (const char* name : {"ring", "tcp", "shm"}) {
+    for (int p : {2, 3}) {
+      INFO(name << " p = " << p);
+      const int port = free_port();
+      const auto result = ddp::test::run_ranks(
+          p,
+          [&](int rank) {
+            torchrun_env(rank, p, port);
+            auto g = ddp::init_process_group(name, {.timeout = 30s, .init_timeout = 30s});
+            check(g.valid() && g.rank() == rank && g.size() == p, "rank and size from the environment");
+            check(g.backend_name() == "ring", "ring backend");
+            auto* concrete = g.get_if<ddp::ring_backend>();
+            check(concrete != nullptr, "a ring_backend behind the group");
+            const std::string_view want = std::string_view(name) == "tcp" ? "tcp" : "shm";
+            check(concrete->backend().transport_name() == want, "transport for '" + std::string(name) + "'");
+            check(g.timeout() == 30s, "timeout from the options");
+            std::vector<double> v{static_cast<double>(rank + 1), 0.5};
+            g.all_reduce(v);
+            check(v[0] == p * (p + 1) / 2.0 && v[1] == 0.5 * p, "all_reduce");
+            std::vector<std::int32_t> b{rank == 0 ? 42 : -1};
+            g.broadcast(b, 0);
+            check(b[0] == 42, "broadcast");
+            g.barrier();
+          },
+          90s);
+      INFO(result.describe());
+      REQUIRE(result.ok());
+    }
+  }
+}
+
+TEST_CASE("init_process_group: a world of one needs no store and no variables") {
+  const auto result = ddp::test::run_ranks(1, [](int) {
+    clear_launch_env();
+    auto g = ddp::init_process_group();
+    check(g.rank() == 0 && g.size() == 1, "world of one");
+    std::vector<float> v{2.5f};
+    g.all_reduce(v, ddp::avg{});
+    check(v[0] == 2.5f, "all_reduce of one");
+    g.barrier();
+  });
+  INFO(result.describe());
+  REQUIRE(result.ok());
+}
+
+TEST_CASE("init_process_group: explicit rank, world size and store override the environment") {
+  const std::string path = std::string(DDP_TEST_BINARY_DIR) + "/init_pg_" + std::to_string(::getpid()) + ".store";
+  std::remove(path.c_str());
+  const auto result = ddp::test::run_ranks(2, [&](int rank) {
+    clear_launch_env();
+    ::setenv("RANK", "0", 1);  // wrong on purpose: the options win
+    ::setenv("WORLD_SIZE", "1", 1);
+    ddp::init_options o;
+    o.store = std::make_shared<ddp::store::file_store>(path);
+    o.rank = rank;
+    o.world_size = 2;
+    o.init_timeout = 30s;
+    auto g = ddp::init_process_group("ring", o);
+    check(g.rank() == rank && g.size() == 2, "overrides");
+    std::vector<std::int64_t> v{rank + 10};
+    g.all_reduce(v, ddp::max{});
+    check(v[0] == 11, "all_reduce max");
+  });
+  std::remove(path.c_str());
+  INFO(result.describe());
+  REQUIRE(result.ok());
+}
+
+TEST_CASE("init_process_group: unknown and not-compiled-in backends") {
+  std::string what;
+  CHECK(error_code_of([] { (void)ddp::init_process_group("glooo"); }, &what) == ddp::errc::config);
+  CHECK_THAT(what, Catch::Contains("unknown backend 'glooo'") && Catch::Contains("ring") && Catch::Contains("shm") && Catch::Contains("tcp"));
+  CHECK(error_code_of([] { (void)ddp::init_process_group("nccl"); }, &what) == ddp::errc::unavailable);
+  CHECK_THAT(what, Catch::Contains("backend 'nccl' is not available: build with CUDA and NCCL (target ddp::nccl) and include <ddp/nccl.hpp>"));
+  CHECK(error_code_of([] { (void)ddp::init_process_group("mpi"); }, &what) == ddp::errc::unavailable);
+  CHECK_THAT(what, Catch::Contains("include <ddp/mpi.hpp>"));
+}
+
+TEST_CASE("init_process_group: a registered factory gets the context") {
+  const auto result = ddp::test::run_ranks(1, [](int) {
+    clear_launch_env();
+    std::string seen;
+    check(ddp::register_backend("mine", [&seen](const ddp::backend_context& c) {
+            seen = c.name + " " + std::to_string(c.rank) + "/" + std::to_string(c.world_size) + " " + c.prefix +
+                   (c.store ? " store" : " no-store");
+            return ddp::group(ddp::process_group<ddp::ring_backend>(ddp::ring_backend(nullptr, 0, 1)));
+          }),
+          "register_backend returns true");
+    const auto names = ddp::registered_backends();
+    check(std::find(names.begin(), names.end(), "mine") != names.end(), "listed");
+    auto g = ddp::init_process_group("mine", {.prefix = "job"});
+    check(seen == "mine 0/1 job/0 no-store", "context: " + seen);
+    check(g.size() == 1, "the factory's group");
+  });
+  INFO(result.describe());
+  REQUIRE(result.ok());
+}
+
+TEST_CASE("init_process_group: a bad environment is one clear error naming the variable") {
+  const auto result = ddp::test::run_ranks(1, [](int) {
+    clear_launch_env();
+    ::setenv("RANK", "2", 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    std::string what;
+    check(error_code_of([] { (void)ddp::init_process_group(); }, &what) == ddp::errc::config, "config error");
+    check(what.find("RANK") != std::string::npos, what);
+    clear_launch_env();
+    ::setenv("RANK", "0", 1);
+    ::setenv("WORLD_SIZE", "abc", 1);
+    check(error_code_of([] { (void)ddp::init_process_group(); }, &what) == ddp::errc::config, "config error");
+    check(what.find("WORLD_SIZE") != std::string::npos, what);
+  });
+  INFO(result.describe());
+  REQUIRE(result.ok());
+}
