@@ -724,6 +724,8 @@ class distributed_data_parallel {
       return std::span<T>(std::ranges::data(a), std::ranges::size(a));
     } else if constexpr (requires { a.span(); }) {
       return std::span<T>(a.span());
+    } else if constexpr (requires { a.data(); a.size(); }) {
+      return std::span<T>(a.data(), a.size());
     } else {
       return std::span<T>(a);
     }
