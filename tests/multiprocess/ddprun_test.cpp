@@ -150,15 +150,15 @@ TEST_CASE("ddprun: workers die with the launcher even when it is SIGKILLed") {
   REQUIRE(p.wait_for_output("ready ", 2, 60s));
   REQUIRE(ddp::test::wait_for_files(dir.path, ".pid", 2, 30s));
   ::kill(p.pid(), SIGKILL);
-  CHECK(p.wait(30s) == 128 + SIGKILL);
   // PR_SET_PDEATHSIG takes the workers down. (Their own children are out of reach once the
   // launcher is gone: a program that forks should set PDEATHSIG in its children too.)
   std::vector<pid_t> workers;
   for (const auto& [rank, pids] : ddp::test::recorded_pids(dir.path)) workers.push_back(pids[0]);
   CHECK(workers.size() == 2);
   CHECK(ddp::test::survivors(workers, 5s).empty());
-  // Clean up the grandchildren that were orphaned.
+  // The orphaned grandchildren still hold the output pipe: end them, then collect ddprun.
   for (const auto& [rank, pids] : ddp::test::recorded_pids(dir.path)) ::kill(pids[1], SIGKILL);
+  CHECK(p.wait(30s) == 128 + SIGKILL);
 }
 
 TEST_CASE("ddprun --standalone: two concurrent launches get different ports") {
@@ -271,7 +271,7 @@ TEST_CASE("ddprun --prefix-output prefixes each worker line with its rank") {
   for (const auto& line : lines(p.out_text)) CHECK(line.rfind("[rank ", 0) == 0);
 }
 
-TEST_CASE("ddprun --max-restarts restarts the group; torchrun-only flags are accepted") {
+TEST_CASE("ddprun --max-restarts restarts the group, and torchrun-only flags are accepted") {
   if (!have_ddprun()) return;
   ddp::test::child_process p(
       ddprun({"--max-restarts=1", "--nproc_per_node=2", "--no-python", "--rdzv-backend=c10d", "--rdzv-endpoint", "localhost:0"},

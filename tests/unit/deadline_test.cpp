@@ -89,7 +89,7 @@ TEST_CASE("poll() with a deadline's timeout returns at the deadline, not before"
   CHECK(elapsed < 5s);
 }
 
-TEST_CASE("DDP_TIMEOUT sets the default timeout; bad values name the variable") {
+TEST_CASE("DDP_TIMEOUT sets the default timeout, bad values name the variable") {
   struct timeout_case {
     const char* value;  // nullptr: unset
     long long want_ms;  // -1: errc::config expected
