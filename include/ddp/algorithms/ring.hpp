@@ -204,8 +204,10 @@ void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc
 }
 
 /// broadcast from `root` along the ring r -> r + 1 -> ..., pipelined by chunks: a rank forwards
-/// chunk c while receiving chunk c + 1. The last rank sends its header back to the root, so every
-/// rank checks one header (two ranks that both believe they are the root are told so).
+/// chunk c while receiving chunk c + 1. Every rank checks its predecessor's header; the last rank
+/// sends its header back to the root once it has checked its own, so every rank checks one header
+/// and the root learns that the chain agreed (two ranks that both believe they are the root, or a
+/// mismatch anywhere, fail every rank instead of letting the root return).
 template <class T, dtype_like E>
 void chain_broadcast(T& t, std::span<E> data, int root, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
@@ -223,26 +225,25 @@ void chain_broadcast(T& t, std::span<E> data, int root, const collective_desc& d
       std::size_t no = 0;
       if (c == 0) out[no++] = hdr.out();
       out[no++] = bytes_of(base + a, b - a);
-      if (c == 0) {
-        const recv_piece in[1] = {hdr.in(prev)};
-        exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(in), dl, progress);
-        hdr.check();
-      } else {
-        exchange(t, next, std::span<const send_piece>(out, no), -1, {}, dl, progress);
-      }
+      exchange(t, next, std::span<const send_piece>(out, no), -1, {}, dl, progress);
     }
+    // The last rank's header arrives only once every rank of the chain has checked its
+    // predecessor's: a root that returns knows the whole chain agreed.
+    const recv_piece in[1] = {hdr.in(prev)};
+    exchange(t, -1, {}, prev, std::span<const recv_piece>(in), dl, progress);
+    hdr.check();
     return;
   }
-  // Receive the header and chunk 0; the last rank sends its header on to the root meanwhile.
+  // Receive the header and chunk 0, and check the header before the chunk lands.
   {
     const auto [a, b] = chunk(0);
     const recv_piece in[2] = {hdr.in(prev), bytes_of(base + a, b - a)};
-    const send_piece out[1] = {hdr.out()};
-    const bool last = pos == p - 1;
-    exchange(t, last ? next : -1, std::span<const send_piece>(out, last ? 1 : 0), prev, std::span<const recv_piece>(in), dl, progress);
+    exchange(t, -1, {}, prev, std::span<const recv_piece>(in), dl, progress);
     hdr.check();
   }
   if (pos == p - 1) {
+    const send_piece out[1] = {hdr.out()};
+    exchange(t, next, std::span<const send_piece>(out), -1, {}, dl, progress);
     for (std::size_t c = 1; c < nchunks; ++c) {
       const auto [a, b] = chunk(c);
       const recv_piece in[1] = {bytes_of(base + a, b - a)};

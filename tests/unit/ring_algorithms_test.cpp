@@ -1,0 +1,560 @@
+// ring_communicator over tcp_transport, ranks as threads: every collective x dtype x size x p,
+// both all_reduce / reduce algorithms, against references computed here without communication
+// (each rank's input is a function of (rank, index); float64 or exact integer folds in rank order).
+// Plus: bit-identical results, bytes on the wire, mismatches, deadlines, abort.
+#include <poll.h>
+
+#include <catch2/catch.hpp>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <latch>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "ddp/algorithms/ring_communicator.hpp"
+#include "ddp/store/hash_store.hpp"
+#include "ddp/transport/tcp.hpp"
+
+using namespace std::chrono_literals;
+using ddp::algo::algorithm_choice;
+using comm_t = ddp::algo::ring_communicator<ddp::tcp_transport&>;
+
+namespace {
+
+template <class F>
+void run_threads(int p, F fn) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(p));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// --- inputs and references -----------------------------------------------------------------
+
+template <class E>
+double to_double(E v) {
+  if constexpr (ddp::half_precision<E>) return static_cast<double>(static_cast<float>(v));
+  else return static_cast<double>(v);
+}
+template <class E>
+E from_double(double v) {
+  if constexpr (ddp::half_precision<E>) return E(static_cast<float>(v));
+  else return static_cast<E>(v);
+}
+
+// Multiples of 1/4 in [-2, 2] (exact in every float type, sums too); small integers otherwise.
+// For prod: 1 or 2, so products stay exact and in range.
+template <class E>
+double input(int rank, std::size_t i, ddp::reduce_kind k) {
+  const auto r = static_cast<std::size_t>(rank);
+  if (k == ddp::reduce_kind::prod) return static_cast<double>(1 + (r + i) % 2);
+  if constexpr (std::is_same_v<E, std::uint8_t>) return static_cast<double>((r * 3 + i * 5) % 7);
+  const double v = static_cast<double>(static_cast<int>((r * 7 + i * 13) % 17) - 8);
+  if constexpr (std::is_integral_v<E>) return v;
+  else return v * 0.25;
+}
+
+template <class E>
+double fold(int p, std::size_t i, ddp::reduce_kind k) {
+  double acc = input<E>(0, i, k);
+  for (int r = 1; r < p; ++r) {
+    const double x = input<E>(r, i, k);
+    switch (k) {
+      case ddp::reduce_kind::sum:
+      case ddp::reduce_kind::avg: acc += x; break;
+      case ddp::reduce_kind::min: acc = std::min(acc, x); break;
+      case ddp::reduce_kind::max: acc = std::max(acc, x); break;
+      case ddp::reduce_kind::prod: acc *= x; break;
+    }
+  }
+  if (k == ddp::reduce_kind::avg) acc = std::is_integral_v<E> ? std::trunc(acc / p) : acc / p;
+  return acc;
+}
+
+// Inputs repeat with period 17 * 7 * 2 in the index, so the references of a (p, op) are a table
+// of that period: the big sizes are checked in O(n) instead of O(n p).
+constexpr std::size_t period = 17 * 7 * 2;
+
+template <class E>
+double reference(int p, std::size_t i, ddp::reduce_kind k) {
+  thread_local std::vector<double> table;
+  thread_local int table_p = -1;
+  thread_local ddp::reduce_kind table_k{};
+  if (table_p != p || table_k != k || table.empty()) {
+    table.resize(period);
+    for (std::size_t j = 0; j < period; ++j) table[j] = fold<E>(p, j, k);
+    table_p = p;
+    table_k = k;
+  }
+  return table[i % period];
+}
+
+template <class E>
+double tolerance(double ref) {
+  double eps = 0;
+  if constexpr (std::is_same_v<E, float>) eps = 0x1p-23;
+  else if constexpr (std::is_same_v<E, double>) eps = 0x1p-52;
+  else if constexpr (std::is_same_v<E, ddp::float16>) eps = 0x1p-10;
+  else if constexpr (std::is_same_v<E, ddp::bfloat16>) eps = 0x1p-7;
+  return 2 * eps * std::max(1.0, std::abs(ref));  // exact for integers
+}
+
+template <class E>
+void expect_near(const char* what, std::size_t i, E got, double ref) {
+  const double g = to_double(got);
+  if (!(std::abs(g - ref) <= tolerance<E>(ref))) {
+    throw std::runtime_error(std::string(what) + ": element " + std::to_string(i) + " is " + std::to_string(g) + ", expected " +
+                             std::to_string(ref));
+  }
+}
+
+template <class E>
+std::vector<E> inputs(int rank, std::size_t n, ddp::reduce_kind k) {
+  E one_period[period];
+  for (std::size_t j = 0; j < period; ++j) one_period[j] = from_double<E>(input<E>(rank, j, k));
+  std::vector<E> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = one_period[i % period];
+  return v;
+}
+
+// --- one rank's sweep --------------------------------------------------------------------------
+
+struct sweep {
+  int rank, p;
+  comm_t& ring;
+  comm_t& small;
+  std::uint64_t seq = 0;
+
+  ddp::collective_desc desc(ddp::collective op, ddp::dtype t, std::size_t count, ddp::reduce_kind k = ddp::reduce_kind::sum,
+                            int root = -1) {
+    ddp::collective_desc d;
+    d.seq = ++seq;
+    d.op = op;
+    d.type = t;
+    d.reduction = k;
+    d.root = root;
+    d.count = count;
+    return d;
+  }
+  static ddp::deadline dl() { return ddp::deadline::after(60s); }
+
+  template <class E, class Op>
+  void all_reduce(std::size_t n, Op op, comm_t& c) {
+    auto data = inputs<E>(rank, n, Op::kind);
+    c.all_reduce(std::span<E>(data), op, desc(ddp::collective::all_reduce, ddp::dtype_of<E>, n, Op::kind), dl());
+    for (std::size_t i = 0; i < n; ++i) expect_near("all_reduce", i, data[i], reference<E>(p, i, Op::kind));
+  }
+
+  template <class E, class Op>
+  void reduce(std::size_t n, Op op, comm_t& c, int root) {
+    auto data = inputs<E>(rank, n, Op::kind);
+    c.reduce(std::span<E>(data), root, op, desc(ddp::collective::reduce, ddp::dtype_of<E>, n, Op::kind, root), dl());
+    if (rank == root)
+      for (std::size_t i = 0; i < n; ++i) expect_near("reduce", i, data[i], reference<E>(p, i, Op::kind));
+  }
+
+  template <class E>
+  void broadcast(std::size_t n, int root) {
+    auto data = inputs<E>(rank, n, ddp::reduce_kind::sum);
+    ring.broadcast(std::span<E>(data), root, desc(ddp::collective::broadcast, ddp::dtype_of<E>, n, ddp::reduce_kind::sum, root), dl());
+    for (std::size_t i = 0; i < n; ++i) expect_near("broadcast", i, data[i], input<E>(root, i, ddp::reduce_kind::sum));
+  }
+
+  template <class E>
+  void all_gather(std::size_t n) {
+    const auto in = inputs<E>(rank, n, ddp::reduce_kind::sum);
+    std::vector<E> out(n * static_cast<std::size_t>(p));
+    ring.all_gather(std::span<const E>(in), std::span<E>(out), desc(ddp::collective::all_gather, ddp::dtype_of<E>, n), dl());
+    for (int k = 0; k < p; ++k)
+      for (std::size_t i = 0; i < n; ++i) expect_near("all_gather", i, out[static_cast<std::size_t>(k) * n + i], input<E>(k, i, ddp::reduce_kind::sum));
+  }
+
+  template <class E, class Op>
+  void reduce_scatter(std::size_t n, Op op) {
+    const auto in = inputs<E>(rank, n * static_cast<std::size_t>(p), Op::kind);
+    std::vector<E> out(n);
+    ring.reduce_scatter(std::span<const E>(in), std::span<E>(out), op, desc(ddp::collective::reduce_scatter, ddp::dtype_of<E>, n, Op::kind), dl());
+    const std::size_t base = n * static_cast<std::size_t>(rank);
+    for (std::size_t i = 0; i < n; ++i) expect_near("reduce_scatter", i, out[i], reference<E>(p, base + i, Op::kind));
+  }
+
+  template <class E>
+  void all_to_all(std::size_t b) {
+    const std::size_t n = b * static_cast<std::size_t>(p);
+    const auto in = inputs<E>(rank, n, ddp::reduce_kind::sum);
+    std::vector<E> out(n);
+    ring.all_to_all(std::span<const E>(in), std::span<E>(out), desc(ddp::collective::all_to_all, ddp::dtype_of<E>, n), dl());
+    // Block k of the output is block `rank` of rank k's input.
+    for (int k = 0; k < p; ++k)
+      for (std::size_t i = 0; i < b; ++i)
+        expect_near("all_to_all", i, out[static_cast<std::size_t>(k) * b + i], input<E>(k, static_cast<std::size_t>(rank) * b + i, ddp::reduce_kind::sum));
+  }
+
+  template <class E>
+  void send_recv(std::size_t n) {
+    if (p == 1) return;
+    const int to = (rank + 1) % p, from = (rank + p - 1) % p;
+    const auto out = inputs<E>(rank, n, ddp::reduce_kind::sum);
+    std::vector<E> in(n);
+    const auto ds = desc(ddp::collective::send, ddp::dtype_of<E>, n);
+    const auto dr = desc(ddp::collective::recv, ddp::dtype_of<E>, n);
+    // Even ranks send first, odd ranks receive first: no cycle of blocked senders at any size.
+    if (rank % 2 == 0) {
+      ring.send(std::span<const E>(out), to, ds, dl());
+      ring.recv(std::span<E>(in), from, dr, dl());
+    } else {
+      ring.recv(std::span<E>(in), from, dr, dl());
+      ring.send(std::span<const E>(out), to, ds, dl());
+    }
+    for (std::size_t i = 0; i < n; ++i) expect_near("send/recv", i, in[i], input<E>(from, i, ddp::reduce_kind::sum));
+  }
+
+  // At 2^20 + 3 elements: the bandwidth paths for every dtype; the rest (the direct all_reduce
+  // and reduce, all_to_all, send/recv) for float32 and float16, to keep the matrix fast.
+  template <class E>
+  void big(std::size_t n) {
+    all_reduce<E>(n, ddp::sum{}, ring);
+    all_reduce<E>(n, ddp::avg{}, ring);
+    broadcast<E>(n, p - 1);
+    all_gather<E>(n);
+    reduce_scatter<E>(n, ddp::sum{});
+    if constexpr (std::is_same_v<E, float> || std::is_same_v<E, ddp::float16>) {
+      all_reduce<E>(n, ddp::sum{}, small);
+      reduce<E>(n, ddp::sum{}, ring, 0);
+      reduce<E>(n, ddp::max{}, small, 1);
+      all_to_all<E>(n / static_cast<std::size_t>(p));
+      send_recv<E>(n);
+    }
+  }
+
+  template <class E>
+  void everything(std::size_t n, bool all_ops) {
+    for (comm_t* c : {&ring, &small}) {
+      all_reduce<E>(n, ddp::sum{}, *c);
+      if (all_ops) {
+        all_reduce<E>(n, ddp::avg{}, *c);
+        all_reduce<E>(n, ddp::min{}, *c);
+        all_reduce<E>(n, ddp::max{}, *c);
+        all_reduce<E>(n, ddp::prod{}, *c);
+      }
+      reduce<E>(n, ddp::sum{}, *c, p - 1);
+    }
+    broadcast<E>(n, 0);
+    broadcast<E>(n, p / 2);
+    all_gather<E>(n);
+    reduce_scatter<E>(n, ddp::sum{});
+    if (all_ops) reduce_scatter<E>(n, ddp::max{});
+    all_to_all<E>(n);
+    send_recv<E>(n);
+    ring.barrier(desc(ddp::collective::barrier, ddp::dtype::uint8, 0), dl());
+  }
+};
+
+template <class F>
+void for_each_dtype(F&& f) {
+  std::apply([&](auto... tag) { (f(tag), ...); },
+             std::tuple<float, double, ddp::float16, ddp::bfloat16, std::int32_t, std::int64_t, std::uint8_t>{});
+}
+
+void run_matrix(int p, const std::vector<std::size_t>& sizes, bool all_ops, const std::string& prefix) {
+  ddp::store::hash_store store;
+  run_threads(p, [&](int r) {
+    ddp::tcp_options o;
+    o.timeout = 30s;
+    ddp::tcp_transport t(store, r, p, prefix, o);
+    comm_t ring(t, {.algorithm = algorithm_choice::ring, .tuning = {.chunk_bytes = 64 << 10}});
+    comm_t small(t, {.algorithm = algorithm_choice::small_message});
+    sweep s{r, p, ring, small};
+    for_each_dtype([&](auto tag) {
+      using E = decltype(tag);
+      for (std::size_t n : sizes) {
+        try {
+          if (n > 100000) s.big<E>(n);
+          else s.everything<E>(n, all_ops);
+        } catch (const std::exception& e) {
+          throw std::runtime_error("rank " + std::to_string(r) + " of " + std::to_string(p) + ", " + std::string(ddp::to_string(ddp::dtype_of<E>)) +
+                                   " x " + std::to_string(n) + ": " + e.what());
+        }
+      }
+    });
+  });
+}
+
+ddp::collective_desc make_desc(std::uint64_t seq, ddp::collective op, ddp::dtype t, std::size_t count,
+                               ddp::reduce_kind k = ddp::reduce_kind::sum, int root = -1) {
+  ddp::collective_desc d;
+  d.seq = seq;
+  d.op = op;
+  d.type = t;
+  d.reduction = k;
+  d.root = root;
+  d.count = count;
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("ring: every collective, dtype and op at sizes 0, 1, 7, 1023 for p = 1, 2, 3, 4, 8") {
+  for (int p : {1, 2, 3, 4, 8}) {
+    INFO("p = " << p);
+    try {
+      run_matrix(p, {0, 1, 7, 1023}, true, "small" + std::to_string(p));
+    } catch (const std::exception& e) {
+      FAIL(e.what());
+    }
+  }
+}
+
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 2") {
+  try {
+    run_matrix(2, {(std::size_t{1} << 20) + 3}, false, "big2");
+  } catch (const std::exception& e) {
+    FAIL(e.what());
+  }
+}
+
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 3") {
+  try {
+    run_matrix(3, {(std::size_t{1} << 20) + 3}, false, "big3");
+  } catch (const std::exception& e) {
+    FAIL(e.what());
+  }
+}
+
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 4") {
+  try {
+    run_matrix(4, {(std::size_t{1} << 20) + 3}, false, "big4");
+  } catch (const std::exception& e) {
+    FAIL(e.what());
+  }
+}
+
+TEST_CASE("ring: all_reduce of arbitrary floats is bit-identical on every rank and close to float64") {
+  for (int p : {3, 4}) {
+    ddp::store::hash_store store;
+    constexpr std::size_t n = 100003;
+    auto value = [](int r, std::size_t i) {
+      // Arbitrary-looking floats of mixed magnitude, so rounding depends on the summation order.
+      const auto h = (static_cast<std::uint64_t>(i) * 2654435761u) ^ (static_cast<std::uint64_t>(r) * 40503u);
+      return static_cast<float>(std::sin(static_cast<double>(h % 100000)) * std::pow(10.0, static_cast<double>(h % 7) - 3));
+    };
+    std::vector<std::vector<float>> results(static_cast<std::size_t>(p));
+    run_threads(p, [&](int r) {
+      ddp::tcp_transport t(store, r, p, "bits");
+      comm_t c(t, {.algorithm = algorithm_choice::ring, .tuning = {.chunk_bytes = 16 << 10}});
+      std::vector<float> data(n);
+      for (std::size_t i = 0; i < n; ++i) data[i] = value(r, i);
+      c.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(1, ddp::collective::all_reduce, ddp::dtype::float32, n), ddp::deadline::after(60s));
+      results[static_cast<std::size_t>(r)] = std::move(data);
+    });
+    for (int r = 1; r < p; ++r) CHECK(std::memcmp(results[0].data(), results[static_cast<std::size_t>(r)].data(), n * sizeof(float)) == 0);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      double ref = 0, mag = 0;
+      for (int r = 0; r < p; ++r) ref += value(r, i), mag += std::abs(value(r, i));
+      if (std::abs(results[0][i] - ref) > 4 * p * 0x1p-24 * mag) ++bad;
+    }
+    CHECK(bad == 0);
+  }
+}
+
+TEST_CASE("ring: all_reduce sends 2 (p - 1) / p of the buffer per rank, plus one header") {
+  constexpr int p = 4;
+  constexpr std::size_t n = 1 << 18;  // 1 MiB of float32, divisible by p
+  ddp::store::hash_store store;
+  std::vector<std::uint64_t> sent(p);
+  run_threads(p, [&](int r) {
+    ddp::tcp_transport t(store, r, p, "bytes");
+    comm_t c(t, {.algorithm = algorithm_choice::ring});
+    std::vector<float> data(n, 1.0f);
+    c.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(1, ddp::collective::all_reduce, ddp::dtype::float32, n), ddp::deadline::after(60s));
+    sent[static_cast<std::size_t>(r)] = t.total_bytes_sent();
+    if (data[12345] != 4.0f) throw std::runtime_error("wrong sum");
+  });
+  const std::uint64_t expected = 2 * (p - 1) * (n * sizeof(float)) / p + ddp::wire_header::size;
+  for (auto s : sent) CHECK(s == expected);
+}
+
+namespace {
+
+struct odd_call {
+  const char* name;
+  ddp::collective_desc (*make)(std::uint64_t seq, std::size_t n);
+};
+
+// Rank 2 of 3 calls something different at sequence 5; every rank must fail within the deadline,
+// with mismatch (or peer_lost quoting the mismatch), never hang or return.
+void expect_mismatch(const odd_call& odd, algorithm_choice choice, const std::string& prefix) {
+  constexpr int p = 3;
+  constexpr std::size_t n = 4096;
+  ddp::store::hash_store store;
+  std::vector<std::string> messages(p);
+  std::vector<ddp::errc> codes(p, ddp::errc::internal);
+  const auto start = std::chrono::steady_clock::now();
+  run_threads(p, [&](int r) {
+    ddp::tcp_transport t(store, r, p, prefix);
+    comm_t c(t, {.algorithm = choice, .failure_store = &store, .failure_prefix = prefix});
+    const auto normal = make_desc(5, ddp::collective::all_reduce, ddp::dtype::float32, n);
+    const auto d = r == 2 ? odd.make(5, n) : normal;
+    std::vector<std::byte> buf(8 * n * p);  // big enough for any of the odd calls
+    auto dl = ddp::deadline::after(10s);
+    try {
+      switch (d.op) {
+        case ddp::collective::all_reduce:
+          if (d.type == ddp::dtype::float32) c.all_reduce(std::span<float>(reinterpret_cast<float*>(buf.data()), d.count), ddp::sum{}, d, dl);
+          else c.all_reduce(std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(buf.data()), d.count), ddp::sum{}, d, dl);
+          break;
+        case ddp::collective::broadcast: c.broadcast(std::span<float>(reinterpret_cast<float*>(buf.data()), d.count), d.root, d, dl); break;
+        case ddp::collective::reduce:
+          c.reduce(std::span<float>(reinterpret_cast<float*>(buf.data()), d.count), d.root, ddp::sum{}, d, dl);
+          break;
+        default: c.barrier(d, dl); break;
+      }
+    } catch (const ddp::error& e) {
+      codes[static_cast<std::size_t>(r)] = e.code();
+      messages[static_cast<std::size_t>(r)] = e.what();
+      return;
+    }
+    messages[static_cast<std::size_t>(r)] = "returned normally";
+  });
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took < 8s);
+  int mismatches = 0;
+  for (int r = 0; r < p; ++r) {
+    INFO(odd.name << ", " << ddp::algo::to_string(choice) << ", rank " << r << ": " << messages[static_cast<std::size_t>(r)]);
+    const auto code = codes[static_cast<std::size_t>(r)];
+    CHECK((code == ddp::errc::mismatch || code == ddp::errc::peer_lost));
+    CHECK(messages[static_cast<std::size_t>(r)].find("mismatched") != std::string::npos);
+    if (code == ddp::errc::mismatch) {
+      ++mismatches;
+      CHECK(messages[static_cast<std::size_t>(r)].find("all_reduce #5 (float32 x 4096, sum)") != std::string::npos);
+    }
+  }
+  CHECK(mismatches >= 1);
+}
+
+}  // namespace
+
+TEST_CASE("ring: ranks calling different ops, dtypes, counts or roots all fail with the mismatch described") {
+  const odd_call calls[] = {
+      {"other op", [](std::uint64_t s, std::size_t n) { return make_desc(s, ddp::collective::broadcast, ddp::dtype::float32, n, ddp::reduce_kind::sum, 0); }},
+      {"other dtype", [](std::uint64_t s, std::size_t n) { return make_desc(s, ddp::collective::all_reduce, ddp::dtype::int64, n); }},
+      {"other count", [](std::uint64_t s, std::size_t n) { return make_desc(s, ddp::collective::all_reduce, ddp::dtype::float32, n * 2 + 1); }},
+      {"barrier", [](std::uint64_t s, std::size_t) { return make_desc(s, ddp::collective::barrier, ddp::dtype::uint8, 0); }},
+      {"other seq", [](std::uint64_t s, std::size_t n) { return make_desc(s + 1, ddp::collective::all_reduce, ddp::dtype::float32, n); }},
+  };
+  int i = 0;
+  for (const auto& odd : calls)
+    for (auto choice : {algorithm_choice::ring, algorithm_choice::small_message}) expect_mismatch(odd, choice, "mm" + std::to_string(i++));
+}
+
+TEST_CASE("ring: ranks calling broadcast or reduce with different roots are told so") {
+  constexpr int p = 3;
+  for (auto op : {ddp::collective::broadcast, ddp::collective::reduce}) {
+    ddp::store::hash_store store;
+    std::vector<ddp::errc> codes(p, ddp::errc::internal);
+    std::vector<std::string> messages(p);
+    run_threads(p, [&](int r) {
+      ddp::tcp_transport t(store, r, p, "roots");
+      comm_t c(t, {.algorithm = algorithm_choice::ring, .failure_store = &store, .failure_prefix = "roots"});
+      const int root = r == 1 ? 1 : 0;  // rank 1 believes it is the root
+      std::vector<float> data(1 << 16, 1.0f);
+      const auto d = make_desc(1, op, ddp::dtype::float32, data.size(), ddp::reduce_kind::sum, root);
+      try {
+        if (op == ddp::collective::broadcast) c.broadcast(std::span<float>(data), root, d, ddp::deadline::after(10s));
+        else c.reduce(std::span<float>(data), root, ddp::sum{}, d, ddp::deadline::after(10s));
+        messages[static_cast<std::size_t>(r)] = "returned normally";
+      } catch (const ddp::error& e) {
+        codes[static_cast<std::size_t>(r)] = e.code();
+        messages[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+    for (int r = 0; r < p; ++r) {
+      INFO(ddp::to_string(op) << " rank " << r << ": " << messages[static_cast<std::size_t>(r)]);
+      CHECK((codes[static_cast<std::size_t>(r)] == ddp::errc::mismatch || codes[static_cast<std::size_t>(r)] == ddp::errc::peer_lost));
+      CHECK(messages[static_cast<std::size_t>(r)].find("root") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("ring: a rank that never calls makes the others time out at the deadline, and the communicator stays failed") {
+  ddp::store::hash_store store;
+  std::latch done(2);
+  run_threads(2, [&](int r) {
+    ddp::tcp_transport t(store, r, 2, "late");
+    comm_t c(t);
+    if (r == 1) {
+      done.arrive_and_wait();
+      return;
+    }
+    std::vector<float> data(1000, 1.0f);
+    const auto d = make_desc(7, ddp::collective::all_reduce, ddp::dtype::float32, data.size());
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      c.all_reduce(std::span<float>(data), ddp::sum{}, d, ddp::deadline::after(300ms));
+      done.count_down();
+      throw std::runtime_error("all_reduce returned");
+    } catch (const ddp::error& e) {
+      const auto took = std::chrono::steady_clock::now() - start;
+      done.count_down();
+      if (e.code() != ddp::errc::timeout) throw;
+      const std::string m = e.what();
+      if (m.find("rank 0: all_reduce #7 (float32 x 1000, sum)") == std::string::npos || m.find("rank 1") == std::string::npos) throw std::runtime_error(m);
+      if (took < 290ms || took > 3s) throw std::runtime_error("timeout after " + std::to_string(took.count()) + " ns");
+    }
+    try {
+      c.barrier(make_desc(8, ddp::collective::barrier, ddp::dtype::uint8, 0), ddp::deadline::after(1s));
+      throw std::runtime_error("a call after the failure succeeded");
+    } catch (const ddp::error& e) {
+      if (e.code() != ddp::errc::peer_lost || std::string(e.what()).find("earlier failure") == std::string::npos) throw;
+    }
+  });
+}
+
+TEST_CASE("ring: abort() from another thread unblocks a collective promptly") {
+  ddp::store::hash_store store;
+  std::latch done(2);
+  run_threads(2, [&](int r) {
+    ddp::tcp_transport t(store, r, 2, "cabort");
+    comm_t c(t);
+    if (r == 1) {
+      done.arrive_and_wait();
+      return;
+    }
+    std::atomic<int> code{0};
+    std::chrono::steady_clock::duration took{};
+    std::thread waiter([&] {
+      std::vector<float> data(1 << 20, 1.0f);
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        c.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(1, ddp::collective::all_reduce, ddp::dtype::float32, data.size()),
+                     ddp::deadline::after(30s));
+      } catch (const ddp::error& e) {
+        code = static_cast<int>(e.code());
+      }
+      took = std::chrono::steady_clock::now() - start;
+    });
+    pollfd none{-1, 0, 0};
+    ::poll(&none, 0, 50);  // usually lets the all_reduce block first; either order must fail fast
+    c.abort();
+    waiter.join();
+    done.count_down();
+    if (code != static_cast<int>(ddp::errc::peer_lost)) throw std::runtime_error("all_reduce did not fail with peer_lost");
+    if (took > 2s) throw std::runtime_error("abort took too long");
+  });
+}
