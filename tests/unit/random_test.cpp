@@ -5,10 +5,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
@@ -402,4 +404,30 @@ TEST_CASE("randperm(100000) is a permutation and uses n-1 words") {
     seen[static_cast<std::size_t>(v)] = 1;
   }
   CHECK(consumed_exactly(gen, 42, 99999));
+}
+
+TEST_CASE("randperm's large-n path (inside-out, random64) is a permutation and uses 2n words") {
+  // torch switches to it at n = 214748364 (too big for a unit test); the same code on a small n.
+  ddp::torch_generator gen{7};
+  std::vector<std::int64_t> a(1000);
+  ddp::detail::randperm_large(a, gen);
+  std::vector<std::int64_t> sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t i = 0; i < sorted.size(); ++i) REQUIRE(sorted[i] == static_cast<std::int64_t>(i));
+  CHECK(consumed_exactly(gen, 7, 2000));
+  // First steps by hand from the raw words: a = [0]; i = 1: z = r64 % 2; a[1] = a[z]; a[z] = 1.
+  ddp::torch_generator raw{7};
+  (void)raw.random64();  // i = 0: z = r64 % 1 = 0
+  const auto z1 = raw.random64() % 2;
+  std::vector<std::int64_t> two(2);
+  ddp::torch_generator g2{7};
+  ddp::detail::randperm_large(two, g2);
+  CHECK(two == (z1 == 0 ? std::vector<std::int64_t>{1, 0} : std::vector<std::int64_t>{0, 1}));
+}
+
+TEST_CASE("uniform rejects from > to like torch") {
+  ddp::torch_generator gen{0};
+  CHECK_THROWS_AS(ddp::uniform(3, 1.0, 0.5, gen), ddp::error);
+  CHECK(gen == ddp::torch_generator{0});  // nothing drawn
+  CHECK(ddp::uniform(2, 0.5, 0.5, gen) == std::vector<float>{0.5f, 0.5f});
 }

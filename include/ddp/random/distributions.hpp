@@ -100,24 +100,35 @@ inline std::size_t checked_count(std::int64_t n, const char* op) {
 
 // ---- integers ------------------------------------------------------------------------------
 
-/// torch.randperm(n, generator=gen) (int64).
-inline std::vector<std::int64_t> randperm(std::int64_t n, torch_generator& gen) {
-  std::vector<std::int64_t> a(detail::checked_count(n, "randperm"));
-  // torch keeps its original algorithm below this size and switches to random64() above it.
-  constexpr std::int64_t small_limit = std::numeric_limits<std::uint32_t>::max() / 20;
-  if (n < small_limit) {
-    for (std::int64_t i = 0; i < n; ++i) a[static_cast<std::size_t>(i)] = i;
-    for (std::int64_t i = 0; i < n - 1; ++i) {
-      const auto z = static_cast<std::int64_t>(gen.random() % static_cast<std::uint64_t>(n - i));
-      std::swap(a[static_cast<std::size_t>(i)], a[static_cast<std::size_t>(i + z)]);
-    }
-    return a;
+namespace detail {
+// torch's original algorithm, kept for n < 2^32 / 20: a[i] <-> a[i + random() % (n - i)].
+inline void randperm_small(std::span<std::int64_t> a, torch_generator& gen) noexcept {
+  const auto n = static_cast<std::int64_t>(a.size());
+  for (std::int64_t i = 0; i < n; ++i) a[static_cast<std::size_t>(i)] = i;
+  for (std::int64_t i = 0; i < n - 1; ++i) {
+    const auto z = static_cast<std::int64_t>(gen.random() % static_cast<std::uint64_t>(n - i));
+    std::swap(a[static_cast<std::size_t>(i)], a[static_cast<std::size_t>(i + z)]);
   }
+}
+// Above that, random() % n would be visibly biased: inside-out Fisher-Yates with random64().
+inline void randperm_large(std::span<std::int64_t> a, torch_generator& gen) noexcept {
+  const auto n = static_cast<std::int64_t>(a.size());
   for (std::int64_t i = 0; i < n; ++i) {
     const auto z = static_cast<std::size_t>(gen.random64() % static_cast<std::uint64_t>(i + 1));
     a[static_cast<std::size_t>(i)] = a[z];
     a[z] = i;
   }
+}
+}  // namespace detail
+
+/// torch.randperm(n, generator=gen) (int64).
+inline std::vector<std::int64_t> randperm(std::int64_t n, torch_generator& gen) {
+  std::vector<std::int64_t> a(detail::checked_count(n, "randperm"));
+  constexpr std::int64_t small_limit = std::numeric_limits<std::uint32_t>::max() / 20;  // 214748364
+  if (n < small_limit)
+    detail::randperm_small(a, gen);
+  else
+    detail::randperm_large(a, gen);
   return a;
 }
 
@@ -157,6 +168,11 @@ inline std::vector<std::int64_t> random_int64(std::int64_t n, torch_generator& g
 /// Tensor.uniform_(from, to) on a float32 tensor, in memory order.
 inline void fill_uniform(std::span<float> out, double from, double to, torch_generator& gen,
                          torch_cpu_kernel kernel = torch_cpu_kernel::avx2) {
+  if (!(from <= to))
+    throw error(errc::invalid_argument,
+                "uniform_ expects to return a [from, to) range, but found from=" + std::to_string(from) +
+                    " > to=" + std::to_string(to),
+                {.op = "uniform"});
   const auto f = static_cast<float>(from);
   const auto t = static_cast<float>(to);
   const float width = t - f;
