@@ -3,7 +3,7 @@
 // (ATen/native/cpu/avx_mathfun.h: log256_ps, sincos256_ps, Cephes polynomials).
 //
 // torch builds that kernel with -mfma, and GCC contracts every multiply whose only use is an
-// add or subtract into an FMA. The sites are listed in tests/data/README.md; each one is an
+// add or subtract into an FMA (without those FMAs, 101 of the 10240 golden values differ); each site is an
 // explicit std::fma below, and every other product is rounded on its own. Products that feed
 // an add but must not be fused go through detail::rounded() so that a build of this header with
 // -mfma / -march=native (and contraction on, GCC's default) cannot fuse them either.
