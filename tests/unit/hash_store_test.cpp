@@ -26,7 +26,6 @@ constexpr auto short_timeout = 300ms;
 // Each fixture gives handles onto one fresh store; open() may be called again for a second
 // handle (another client / another open of the file / the same object).
 struct hash_fixture {
-  static constexpr const char* name = "hash_store";
   std::shared_ptr<ddp::store::hash_store> s = std::make_shared<ddp::store::hash_store>();
   std::shared_ptr<store> open() {
     s->set_timeout(short_timeout);
@@ -35,7 +34,6 @@ struct hash_fixture {
 };
 
 struct file_fixture {
-  static constexpr const char* name = "file_store";
   static inline std::atomic<int> counter{0};
   std::string path = std::string(DDP_TEST_BINARY_DIR) + "/contract_store." + std::to_string(::getpid()) + "." +
                      std::to_string(counter++);
@@ -45,7 +43,6 @@ struct file_fixture {
 };
 
 struct tcp_fixture {
-  static constexpr const char* name = "tcp_store";
   ddp::store::tcp_store_server server{{.port = 0, .token = std::string()}};
   std::shared_ptr<store> open() {
     return std::make_shared<ddp::store::tcp_store>(
@@ -170,6 +167,10 @@ TEMPLATE_TEST_CASE("store contract: get of a missing key is errc::timeout after 
   // The store is still usable afterwards.
   s->set_string("absent", "now here");
   CHECK(s->get_string("absent") == "now here");
+  // An unbounded timeout is valid (no overflow in deadline arithmetic).
+  s->set_timeout(std::chrono::milliseconds::max());
+  CHECK(s->get_string("absent") == "now here");
+  s->wait({"absent"}, std::chrono::milliseconds::max());
 }
 
 TEMPLATE_TEST_CASE("store contract: a blocked get is released by a set through another handle", "[store]", STORE_TYPES) {

@@ -25,7 +25,8 @@
 // every call is bounded by timeout(). A server that goes away is errc::store at once ("store
 // server 127.0.0.1:29500 closed the connection"), not after the timeout; the client then stays
 // failed (no silent reconnect to a restarted server with none of the keys). Thread-safe: calls
-// from several threads are serialized on the one connection.
+// from several threads are serialized on the one connection. Neither a client nor a server may
+// be used across fork(): create them in the process that uses them (the socket would be shared).
 
 #include <sys/random.h>
 
@@ -383,7 +384,11 @@ class tcp_store final : public store {
 
   // The server answers a parked get()/wait() at the timeout itself; the client allows a little
   // more before deciding the server is wedged.
-  static deadline blocking_deadline(std::chrono::milliseconds t) { return deadline::after(t + std::chrono::seconds(2)); }
+  static deadline blocking_deadline(std::chrono::milliseconds t) {
+    constexpr auto grace = std::chrono::seconds(2);
+    if (t > std::chrono::milliseconds::max() - grace) return deadline::never();
+    return deadline::after(t + grace);
+  }
 
   void connect(const std::string& token, const deadline& until) {
     fd_ = detail::connect_with_retry(host_, port_, until);
