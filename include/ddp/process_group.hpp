@@ -316,10 +316,16 @@ class process_group {
   // --- memory ----------------------------------------------------------------------------------
   /// n elements that every same-host rank can address when the backend can provide such
   /// memory (collectives on it need no copy-in); an ordinary std::vector<T> otherwise.
+  /// With a backend allocate this is collective (every rank, same n, same order) and runs after
+  /// the queued collectives, never concurrently with one.
   template <dtype_like T>
   auto allocate(std::size_t n) {
-    if constexpr (detail::pg_has_allocate<B, T>) return live().backend.template allocate<T>(n);
-    else return std::vector<T>(n);
+    if constexpr (detail::pg_has_allocate<B, T>) {
+      exclusive_section section(live());
+      return live().backend.template allocate<T>(n);
+    } else {
+      return std::vector<T>(n);
+    }
   }
 
   // --- sub-groups ------------------------------------------------------------------------------

@@ -281,3 +281,29 @@ TEST_CASE("ring_backend: sub-groups and async order across processes") {
   INFO(result.describe());
   REQUIRE(result.ok());
 }
+
+TEST_CASE("ring_backend: allocate gives shared memory on shm and heap memory on tcp; collectives take both") {
+  for (kind transport : {kind::shm, kind::tcp}) {
+    store_file file(std::string("alloc") + std::string(ddp::to_string(transport)));
+    const auto result = ddp::test::run_ranks(3, [&](int rank) {
+      auto g = make_group(file.path, rank, 3, transport);
+      for (std::size_t n : {std::size_t{5}, std::size_t{3000}, std::size_t{300000}}) {
+        auto buf = g.allocate<float>(n);
+        check(buf.size() == n && buf.shared() == (transport == kind::shm), "buffer kind");
+        for (std::size_t i = 0; i < n; ++i) buf[i] = static_cast<float>(rank + 1) * static_cast<float>(i % 7);
+        g.all_reduce(buf);
+        for (std::size_t i = 0; i < n; ++i) check(buf[i] == 6.0f * static_cast<float>(i % 7), "all_reduce on allocated memory");
+        auto gathered = g.allocate<std::int32_t>(3 * n);
+        auto mine = g.allocate<std::int32_t>(n);
+        for (std::size_t i = 0; i < n; ++i) mine[i] = rank * 1000 + static_cast<std::int32_t>(i % 999);
+        g.all_gather(mine, gathered);
+        for (int r = 0; r < 3; ++r)
+          for (std::size_t i = 0; i < n; i += 97)
+            check(gathered[static_cast<std::size_t>(r) * n + i] == r * 1000 + static_cast<std::int32_t>(i % 999), "all_gather on allocated memory");
+        g.broadcast(buf, 2);
+      }
+    });
+    INFO(result.describe());
+    REQUIRE(result.ok());
+  }
+}

@@ -10,11 +10,11 @@
 //   shm, tcp   forced (shm among ranks of different hosts is errc::config).
 // A world of one needs no store (and does no communication).
 //
-// Over TCP the collectives are ddp::algo::ring_communicator<tcp_transport>. On shared memory they
-// are the shm communicator: ddp::algo::shm_communicator when it is available, else
-// ring_communicator over shm_transport (the same ring algorithms over shared-memory streams).
-// allocate<T>(n) returns memory every same-host rank can address when the shm communicator
-// offers it; otherwise an ordinary heap buffer (std::vector<T>) that every collective also takes.
+// Over TCP the collectives are ddp::algo::ring_communicator<tcp_transport>; on shared memory
+// ddp::algo::shm_communicator (direct algorithms, zero copy on group-allocated buffers).
+// allocate<T>(n) returns a ring_buffer<T>: a shared_buffer every same-host rank can address
+// when on shared memory (a collective call: every rank allocates, in the same order), an
+// ordinary heap buffer with the same interface over TCP.
 //
 // Sub-groups: split(ranks, tag) builds a ring_backend over the member ranks (same store, key
 // prefix <prefix>/<tag>), which is what process_group::new_group calls.
@@ -30,15 +30,18 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "ddp/algorithms/ring_communicator.hpp"
+#include "ddp/algorithms/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/shared_buffer.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "ddp/store/store.hpp"
 #include "ddp/transport/shm.hpp"
@@ -54,7 +57,36 @@ struct ring_options {
   std::string prefix = "ddp";                              // store key prefix of this backend
   std::chrono::milliseconds timeout = default_timeout();   // set-up: host exchange and connections
   tcp_options tcp{};
-  shm_transport::options shm{};
+  algo::shm_communicator::options shm{};
+};
+
+/// Memory from ring_backend::allocate: shared with the same-host ranks (shared()) or on the heap.
+template <class T>
+class ring_buffer {
+ public:
+  using value_type = T;
+  ring_buffer() = default;
+  explicit ring_buffer(shared_buffer<T> b) : storage_(std::move(b)) {}
+  explicit ring_buffer(std::size_t n) : storage_(std::vector<T>(n)) {}
+
+  T* data() noexcept { return std::visit([](auto& b) { return b.data(); }, storage_); }
+  const T* data() const noexcept { return std::visit([](const auto& b) { return b.data(); }, storage_); }
+  std::size_t size() const noexcept { return std::visit([](const auto& b) { return b.size(); }, storage_); }
+  std::size_t size_bytes() const noexcept { return size() * sizeof(T); }
+  bool empty() const noexcept { return size() == 0; }
+  T& operator[](std::size_t i) noexcept { return data()[i]; }
+  const T& operator[](std::size_t i) const noexcept { return data()[i]; }
+  T* begin() noexcept { return data(); }
+  T* end() noexcept { return data() + size(); }
+  const T* begin() const noexcept { return data(); }
+  const T* end() const noexcept { return data() + size(); }
+  std::span<T> span() noexcept { return {data(), size()}; }
+  std::span<const T> span() const noexcept { return {data(), size()}; }
+  /// Whether the same-host ranks can address this memory (collectives on it need no copy).
+  bool shared() const noexcept { return storage_.index() == 1; }
+
+ private:
+  std::variant<std::vector<T>, shared_buffer<T>> storage_;
 };
 
 constexpr std::string_view to_string(ring_options::transport_kind t) noexcept {
@@ -109,8 +141,7 @@ class ring_backend {
     co.failure_store = s_->store.get();
     co.failure_prefix = s_->options.prefix;
     if (s_->on_shm) {
-      s_->shm_streams = std::make_unique<shm_transport>(*s_->store, s_->options.prefix + "/shm", rank, size, setup, s_->options.shm);
-      s_->shm = std::make_unique<shm_comm>(*s_->shm_streams, co);
+      s_->shm = std::make_unique<algo::shm_communicator>(*s_->store, s_->options.prefix + "/shm/", rank, size, setup, s_->options.shm);
     } else {
       tcp_options to = s_->options.tcp;
       to.timeout = s_->options.timeout;
@@ -197,6 +228,14 @@ class ring_backend {
     recv(data, peer, next<T>(collective::recv, data.size()), plain_deadline());
   }
 
+  /// n zero-filled elements; shared with the same-host ranks when on shared memory. On shared
+  /// memory this is collective: every rank calls it with the same n, in the same order.
+  template <dtype_like T>
+  ring_buffer<T> allocate(std::size_t n) {
+    if (s_->shm) return ring_buffer<T>(s_->shm->template allocate<T>(n, deadline::after(s_->options.timeout)));
+    return ring_buffer<T>(n);
+  }
+
   /// Unblocks every waiter of this backend promptly; the backend is unusable afterwards.
   void abort() noexcept {
     if (s_->shm) s_->shm->abort();
@@ -220,7 +259,6 @@ class ring_backend {
 
  private:
   using tcp_comm = algo::ring_communicator<tcp_transport>;
-  using shm_comm = algo::ring_communicator<shm_transport&>;  // shm_transport cannot move
 
   struct state {
     std::shared_ptr<store::store> store;
@@ -228,8 +266,7 @@ class ring_backend {
     int size = 1;
     ring_options options;
     bool on_shm = false;
-    std::unique_ptr<shm_transport> shm_streams;  // before shm: outlives the communicator over it
-    std::unique_ptr<shm_comm> shm;
+    std::unique_ptr<algo::shm_communicator> shm;
     std::unique_ptr<tcp_comm> tcp;
     std::uint64_t plain_seq = 0;
   };

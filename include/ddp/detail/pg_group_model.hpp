@@ -98,7 +98,8 @@ class pg_group_model final : public pg_group_interface {
       using buffer = decltype(group_.template allocate<T>(n));
       auto holder = std::make_shared<buffer>(group_.template allocate<T>(n));
       *data = static_cast<void*>(std::data(*holder));
-      *shared = !std::is_same_v<buffer, std::vector<T>>;
+      if constexpr (requires { holder->shared(); }) *shared = holder->shared();
+      else *shared = !std::is_same_v<buffer, std::vector<T>>;
       return holder;
     });
   }
