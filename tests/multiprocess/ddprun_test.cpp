@@ -163,10 +163,12 @@ TEST_CASE("ddprun: workers die with the launcher even when it is SIGKILLed") {
 
 TEST_CASE("ddprun --standalone: two concurrent launches get different ports") {
   if (!have_ddprun()) return;
-  // Each job's rank 0 binds its MASTER_PORT (as the store would) and holds it until stdin closes.
+  // Each job's rank 0 binds its MASTER_PORT (as the store would) and holds it until stdin
+  // closes. The second job starts once the first holds its port, as a second job started on a
+  // busy machine would: it must not be given the same port (torchrun's fixed 29500 would be).
   ddp::test::child_process a(ddprun({"--standalone", "--nproc-per-node=1"}, {"hold-port"}), {}, true);
-  ddp::test::child_process b(ddprun({"--standalone", "--nproc-per-node=1"}, {"hold-port"}), {}, true);
   REQUIRE(a.wait_for_output(" bound\n", 1, 60s));
+  ddp::test::child_process b(ddprun({"--standalone", "--nproc-per-node=1"}, {"hold-port"}), {}, true);
   REQUIRE(b.wait_for_output(" bound\n", 1, 60s));
   a.close_stdin();
   b.close_stdin();
