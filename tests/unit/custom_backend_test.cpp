@@ -1,0 +1,134 @@
+// The user-written example backend (examples/custom_backend/store_backend.hpp), used unchanged
+// by process_group: ranks as threads over a hash_store and as forked processes over a
+// file_store, results against closed forms; the watchdog aborts it when a rank never comes.
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "../../examples/custom_backend/store_backend.hpp"
+#include "ddp/process_group.hpp"
+#include "ddp/store/file_store.hpp"
+#include "ddp/store/hash_store.hpp"
+#include "support/multiprocess.hpp"
+
+using namespace std::chrono_literals;
+using ddp::test::check;
+using group_t = ddp::process_group<example::store_backend>;
+
+namespace {
+
+template <class F>
+void run_threads(int n, F fn) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+template <class T>
+void collectives(group_t& g) {
+  const int p = g.size(), me = g.rank();
+  const std::size_t n = 5;
+  auto val = [](int r, std::size_t i) { return static_cast<double>(1 + (static_cast<std::size_t>(r) + i) % 3); };
+  auto to = [](double v) {
+    if constexpr (ddp::half_precision<T>) return T(static_cast<float>(v));
+    else return static_cast<T>(v);
+  };
+  auto from = [](T v) {
+    if constexpr (ddp::half_precision<T>) return static_cast<double>(static_cast<float>(v));
+    else return static_cast<double>(v);
+  };
+  std::vector<T> s(n), pr(n);
+  for (std::size_t i = 0; i < n; ++i) s[i] = pr[i] = to(val(me, i));
+  g.all_reduce(s, ddp::sum{});
+  g.all_reduce(pr, ddp::prod{});
+  for (std::size_t i = 0; i < n; ++i) {
+    double sum = 0, prod = 1;
+    for (int r = 0; r < p; ++r) sum += val(r, i), prod *= val(r, i);
+    check(from(s[i]) == sum && from(pr[i]) == prod, "all_reduce sum/prod");
+  }
+  std::vector<T> b(n, to(static_cast<double>(me)));
+  g.broadcast(b, p - 1);
+  check(from(b[0]) == p - 1, "broadcast");
+  std::vector<T> all(n * static_cast<std::size_t>(p));
+  std::vector<T> mine(n, to(static_cast<double>(me + 1)));
+  g.all_gather(mine, all);
+  for (int r = 0; r < p; ++r) check(from(all[static_cast<std::size_t>(r) * n]) == r + 1, "all_gather");
+  std::vector<T> rs(n);
+  g.reduce_scatter(all, rs, ddp::max{});  // every rank holds the same `all`: max = the value itself
+  check(from(rs[0]) == me + 1, "reduce_scatter");
+  std::vector<T> a_in(static_cast<std::size_t>(p)), a_out(static_cast<std::size_t>(p));
+  for (int j = 0; j < p; ++j) a_in[static_cast<std::size_t>(j)] = to(static_cast<double>(me * 10 + j));
+  g.all_to_all(a_in, a_out);  // the backend has none: process_group provides it
+  for (int src = 0; src < p; ++src) check(from(a_out[static_cast<std::size_t>(src)]) == src * 10 + me, "all_to_all");
+  g.barrier();
+}
+
+}  // namespace
+
+TEST_CASE("custom backend: ranks as threads over a hash_store, several dtypes, p = 1..3") {
+  for (int p = 1; p <= 3; ++p) {
+    auto store = std::make_shared<ddp::store::hash_store>();
+    run_threads(p, [&](int rank) {
+      group_t g(example::store_backend(store, rank, p), {.timeout = 30s});
+      collectives<float>(g);
+      collectives<double>(g);
+      collectives<ddp::bfloat16>(g);
+      collectives<std::int32_t>(g);
+      collectives<std::uint8_t>(g);
+      check(g.next_sequence() == 5 * 7, "sequence numbers");
+    });
+    CHECK(store->num_keys() == 0);  // the backend cleans up after itself
+  }
+}
+
+TEST_CASE("custom backend: forked processes over a file_store, async in order") {
+  const std::string path = std::string(DDP_TEST_BINARY_DIR) + "/custom_backend_" + std::to_string(::getpid()) + ".store";
+  std::remove(path.c_str());
+  const auto result = ddp::test::run_ranks(3, [&](int rank) {
+    group_t g(example::store_backend(std::make_shared<ddp::store::file_store>(path), rank, 3), {.timeout = 30s});
+    collectives<float>(g);
+    std::vector<std::vector<std::int64_t>> bufs(10, std::vector<std::int64_t>(4));
+    std::vector<ddp::work> works;
+    for (int k = 0; k < 10; ++k) {
+      for (auto& x : bufs[static_cast<std::size_t>(k)]) x = k * rank;
+      works.push_back(g.all_reduce_async(bufs[static_cast<std::size_t>(k)]));
+    }
+    for (auto& w : works) w.wait();
+    for (int k = 0; k < 10; ++k) check(bufs[static_cast<std::size_t>(k)][3] == 3 * k, "async result " + std::to_string(k));
+  });
+  std::remove(path.c_str());
+  INFO(result.describe());
+  REQUIRE(result.ok());
+}
+
+TEST_CASE("custom backend: the watchdog aborts it when a rank never arrives") {
+  auto store = std::make_shared<ddp::store::hash_store>();
+  group_t g(example::store_backend(store, 0, 2), {.timeout = 300ms});
+  std::vector<float> v(4, 1.0f);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    g.all_reduce(v);
+    FAIL("returned without rank 1");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::timeout);
+    CHECK_THAT(e.what(), Catch::Contains("all_reduce #0") && Catch::Contains("300 ms"));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+  CHECK_THROWS_AS(g.barrier(), ddp::error);  // broken from now on
+}
