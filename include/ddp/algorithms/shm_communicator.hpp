@@ -485,12 +485,16 @@ class shm_communicator {
     });
   }
 
+  // "rank 2" or "ranks 1, 3": the peers for which pred holds.
   template <class Pred>
   std::string ranks_where(Pred&& pred) const {
     std::string s;
+    int count = 0;
     for (int r = 0; r < size_; ++r)
-      if (r != rank_ && pred(r)) s += (s.empty() ? "" : ", ") + std::to_string(r);
-    return s;
+      if (r != rank_ && pred(r)) {
+        s += (count++ == 0 ? "" : ", ") + std::to_string(r);
+      }
+    return (count == 1 ? "rank " : "ranks ") + s;
   }
 
   // Waits for every peer's slot of call c, then checks every peer's header.
@@ -502,12 +506,17 @@ class shm_communicator {
             if (next != rank_ && slot_of(next, c)->call.load(std::memory_order_acquire) != c) return false;
           return true;
         },
-        d, dl, [&] { return "waiting for ranks " + ranks_where([&](int r) { return slot_of(r, c)->call.load() != c; }) + " to enter " + d.describe(); });
+        d, dl, [&] { return "waiting for " + ranks_where([&](int r) { return slot_of(r, c)->call.load() != c; }) + " to enter " + d.describe(); });
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) continue;
       wire_header h;
       std::memcpy(h.bytes, slot_of(j, c)->header, wire_header::size);
       check_header(h, d, rank_, j);
+    }
+    // A peer that gave up on this call (deadline, abort) may have published its slot first.
+    if (group_.aborted()) {
+      const auto why = group_.failure();
+      throw error(errc::peer_lost, why ? why->second : "the communicator was aborted", d.context(rank_));
     }
   }
 
@@ -525,7 +534,7 @@ class shm_communicator {
             if (next != rank_ && counter(next, i).load(std::memory_order_acquire) < v) return false;
           return true;
         },
-        d, dl, [&] { return "waiting for ranks " + ranks_where([&](int q) { return counter(q, i).load() < v; }) + " to " + what; });
+        d, dl, [&] { return "waiting for " + ranks_where([&](int q) { return counter(q, i).load() < v; }) + " to " + what; });
   }
 
   void barrier_steps(const collective_desc& d, deadline dl) {

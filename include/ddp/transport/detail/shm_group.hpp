@@ -151,19 +151,22 @@ class shm_group {
 
   /// Why a wait cannot succeed: a dead peer or an abort; nullopt when neither.
   std::optional<std::pair<errc, std::string>> failure() const {
+    // An abort first: a peer that aborted may have exited since, and the abort is the cause.
+    const std::uint32_t word = job_->aborted.load(std::memory_order_acquire);
+    if (word != 0) {
+      const int by = static_cast<int>(word & 0xffffu) - 1;
+      const int cause = static_cast<int>(word >> 16) - 1;
+      if (cause >= 0) {
+        return std::pair{errc::peer_lost, "peer rank " + std::to_string(cause) + " (pid " + std::to_string(job_->cause_pid.load()) +
+                                              ") exited (noticed by rank " + std::to_string(by) + ")"};
+      }
+      if (by == rank_) return std::pair{errc::peer_lost, "the communicator was aborted on this rank"};
+      return std::pair{errc::peer_lost, "peer rank " + std::to_string(by) + " (pid " + std::to_string(pid_of(by)) + ") aborted the communicator"};
+    }
     if (auto dead = watch_.first_dead()) {
       return std::pair{errc::peer_lost, "peer rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) + ") exited"};
     }
-    const std::uint32_t word = job_->aborted.load(std::memory_order_acquire);
-    if (word == 0) return std::nullopt;
-    const int by = static_cast<int>(word & 0xffffu) - 1;
-    const int cause = static_cast<int>(word >> 16) - 1;
-    if (cause >= 0) {
-      return std::pair{errc::peer_lost, "peer rank " + std::to_string(cause) + " (pid " + std::to_string(job_->cause_pid.load()) +
-                                            ") exited (noticed by rank " + std::to_string(by) + ")"};
-    }
-    if (by == rank_) return std::pair{errc::peer_lost, "the communicator was aborted on this rank"};
-    return std::pair{errc::peer_lost, "peer rank " + std::to_string(by) + " (pid " + std::to_string(pid_of(by)) + ") aborted the communicator"};
+    return std::nullopt;
   }
 
   /// Waits until ready() holds. On a dead peer, an abort or the deadline it calls
