@@ -48,7 +48,7 @@ inline options parse_options(int argc, char** argv) {
                               "initialize the weights as torch.manual_seed(S) + the two nn.Linear constructors");
   app.add_option("--report", o.report, "write a JSON report to this file (rank 0)");
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node,
-                 "ranks to launch on this host when RANK is not set (like torchrun --standalone)")
+                 "ranks to launch on this host when RANK is not set (ddp::launch, like torchrun --standalone)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--gemm", o.gemm, "GEMM policy: exact (PyTorch's summation order), eigen (CPU), cublas (CUDA)");
   app.add_option("--simulate-world", o.simulate_world,

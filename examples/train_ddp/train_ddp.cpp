@@ -3,7 +3,7 @@
 // Thrust on CUDA + cuBLAS or the exact GEMM on the device).
 //
 //   train_ddp                                   world of one (or whatever torchrun/srun/mpirun set)
-//   train_ddp --nproc-per-node 2                two ranks on this host, like torchrun --standalone
+//   train_ddp --nproc-per-node 2                two ranks on this host (ddp::launch, like torchrun --standalone)
 //   train_ddp --init-seed 0                     torch.manual_seed(0) weights: PyTorch's printed lines
 //   train_ddp --simulate-world 2                two replicas in one process (no communication)
 //
@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <random>
 #include <span>
 #include <string>
@@ -21,10 +22,10 @@
 
 #include "ddp/data_parallel.hpp"
 #include "ddp/init.hpp"
+#include "ddp/launch.hpp"
 #include "ddp/parameters.hpp"
 #include "ddp/random.hpp"
 #include "ddp/sampler.hpp"
-#include "launch_self.hpp"
 #include "mlp.hpp"
 #include "options.hpp"
 #include "report.hpp"
@@ -302,8 +303,17 @@ inline int run_with_gemm(const options& o) {
 int main(int argc, char** argv) {
   try {
     const train::options o = train::parse_options(argc, argv);
-    if (o.nproc_per_node > 1 && o.simulate_world == 0 && std::getenv("RANK") == nullptr)
-      return train::launch_self(o.nproc_per_node, argv);
+    if (o.nproc_per_node > 1 && o.simulate_world == 0 && std::getenv("RANK") == nullptr) {
+      // Like `torchrun --standalone --nproc-per-node N train_ddp ...`: N copies of this binary.
+      ddp::launch_options lo;
+      lo.nproc_per_node = o.nproc_per_node;
+      lo.standalone = true;
+      lo.master_port = 0;
+      lo.name = "train_ddp";
+      std::vector<std::string> args(argv, argv + argc);
+      args[0] = std::filesystem::read_symlink("/proc/self/exe").string();
+      return ddp::launch(lo, args).exit_code;
+    }
 #if defined(__CUDACC__)
     if (const char* lr = std::getenv("LOCAL_RANK")) {
       int devices = 0;
