@@ -134,10 +134,27 @@ std::vector<E> inputs(int rank, std::size_t n, ddp::reduce_kind k) {
 
 // --- one rank's sweep --------------------------------------------------------------------------
 
+// The plain transport interface only (no send_recv_v): runs the algorithms' generic path, as
+// over a transport that is not tcp_transport.
+struct plain_transport {
+  ddp::tcp_transport& t;
+  int rank() const { return t.rank(); }
+  int size() const { return t.size(); }
+  void send(int peer, std::span<const std::byte> out, ddp::deadline dl) { t.send(peer, out, dl); }
+  void recv(int peer, std::span<std::byte> in, ddp::deadline dl) { t.recv(peer, in, dl); }
+  void send_recv(int to, std::span<const std::byte> out, int from, std::span<std::byte> in, ddp::deadline dl) {
+    t.send_recv(to, out, from, in, dl);
+  }
+  void abort() noexcept { t.abort(); }
+};
+static_assert(ddp::transport<plain_transport> && !ddp::algo::vectored_transport<plain_transport>);
+using plain_comm_t = ddp::algo::ring_communicator<plain_transport>;
+
+template <class C>
 struct sweep {
   int rank, p;
-  comm_t& ring;
-  comm_t& small;
+  C& ring;
+  C& small;
   std::uint64_t seq = 0;
 
   ddp::collective_desc desc(ddp::collective op, ddp::dtype t, std::size_t count, ddp::reduce_kind k = ddp::reduce_kind::sum,
@@ -154,14 +171,14 @@ struct sweep {
   static ddp::deadline dl() { return ddp::deadline::after(60s); }
 
   template <class E, class Op>
-  void all_reduce(std::size_t n, Op op, comm_t& c) {
+  void all_reduce(std::size_t n, Op op, C& c) {
     auto data = inputs<E>(rank, n, Op::kind);
     c.all_reduce(std::span<E>(data), op, desc(ddp::collective::all_reduce, ddp::dtype_of<E>, n, Op::kind), dl());
     for (std::size_t i = 0; i < n; ++i) expect_near("all_reduce", i, data[i], reference<E>(p, i, Op::kind));
   }
 
   template <class E, class Op>
-  void reduce(std::size_t n, Op op, comm_t& c, int root) {
+  void reduce(std::size_t n, Op op, C& c, int root) {
     auto data = inputs<E>(rank, n, Op::kind);
     c.reduce(std::span<E>(data), root, op, desc(ddp::collective::reduce, ddp::dtype_of<E>, n, Op::kind, root), dl());
     if (rank == root)
@@ -244,7 +261,7 @@ struct sweep {
 
   template <class E>
   void everything(std::size_t n, bool all_ops) {
-    for (comm_t* c : {&ring, &small}) {
+    for (C* c : {&ring, &small}) {
       all_reduce<E>(n, ddp::sum{}, *c);
       if (all_ops) {
         all_reduce<E>(n, ddp::avg{}, *c);
@@ -271,21 +288,22 @@ void for_each_dtype(F&& f) {
              std::tuple<float, double, ddp::float16, ddp::bfloat16, std::int32_t, std::int64_t, std::uint8_t>{});
 }
 
-void run_matrix(int p, const std::vector<std::size_t>& sizes, bool all_ops, const std::string& prefix) {
+template <class C, class Wrap>
+void run_matrix_over(int p, const std::vector<std::size_t>& sizes, bool all_ops, const std::string& prefix, Wrap wrap) {
   ddp::store::hash_store store;
   run_threads(p, [&](int r) {
     ddp::tcp_options o;
     o.timeout = 30s;
     ddp::tcp_transport t(store, r, p, prefix, o);
-    comm_t ring(t, {.algorithm = algorithm_choice::ring, .tuning = {.chunk_bytes = 64 << 10}});
-    comm_t small(t, {.algorithm = algorithm_choice::small_message});
-    sweep s{r, p, ring, small};
+    C ring(wrap(t), {.algorithm = algorithm_choice::ring, .tuning = {.chunk_bytes = 64 << 10}});
+    C small(wrap(t), {.algorithm = algorithm_choice::small_message});
+    sweep<C> s{r, p, ring, small};
     for_each_dtype([&](auto tag) {
       using E = decltype(tag);
       for (std::size_t n : sizes) {
         try {
-          if (n > 100000) s.big<E>(n);
-          else s.everything<E>(n, all_ops);
+          if (n > 100000) s.template big<E>(n);
+          else s.template everything<E>(n, all_ops);
         } catch (const std::exception& e) {
           throw std::runtime_error("rank " + std::to_string(r) + " of " + std::to_string(p) + ", " + std::string(ddp::to_string(ddp::dtype_of<E>)) +
                                    " x " + std::to_string(n) + ": " + e.what());
@@ -293,6 +311,10 @@ void run_matrix(int p, const std::vector<std::size_t>& sizes, bool all_ops, cons
       }
     });
   });
+}
+
+void run_matrix(int p, const std::vector<std::size_t>& sizes, bool all_ops, const std::string& prefix) {
+  run_matrix_over<comm_t>(p, sizes, all_ops, prefix, [](ddp::tcp_transport& t) -> ddp::tcp_transport& { return t; });
 }
 
 ddp::collective_desc make_desc(std::uint64_t seq, ddp::collective op, ddp::dtype t, std::size_t count,
@@ -341,6 +363,18 @@ TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 4") {
     run_matrix(4, {(std::size_t{1} << 20) + 3}, false, "big4");
   } catch (const std::exception& e) {
     FAIL(e.what());
+  }
+}
+
+TEST_CASE("ring: the same collectives over a transport without scatter-gather (the generic path), p = 2, 3") {
+  for (int p : {2, 3}) {
+    INFO("p = " << p);
+    try {
+      run_matrix_over<plain_comm_t>(p, {0, 1, 7, 1023, 100000}, false, "plain" + std::to_string(p),
+                                    [](ddp::tcp_transport& t) { return plain_transport{t}; });
+    } catch (const std::exception& e) {
+      FAIL(e.what());
+    }
   }
 }
 
@@ -399,6 +433,7 @@ struct odd_call {
 
 // Rank 2 of 3 calls something different at sequence 5; every rank must fail within the deadline,
 // with mismatch (or peer_lost quoting the mismatch), never hang or return.
+template <class C = comm_t>
 void expect_mismatch(const odd_call& odd, algorithm_choice choice, const std::string& prefix) {
   constexpr int p = 3;
   constexpr std::size_t n = 4096;
@@ -408,7 +443,11 @@ void expect_mismatch(const odd_call& odd, algorithm_choice choice, const std::st
   const auto start = std::chrono::steady_clock::now();
   run_threads(p, [&](int r) {
     ddp::tcp_transport t(store, r, p, prefix);
-    comm_t c(t, {.algorithm = choice, .failure_store = &store, .failure_prefix = prefix});
+    auto wrap = [&]() -> decltype(auto) {
+      if constexpr (std::is_same_v<C, comm_t>) return static_cast<ddp::tcp_transport&>(t);
+      else return plain_transport{t};
+    };
+    C c(wrap(), {.algorithm = choice, .failure_store = &store, .failure_prefix = prefix});
     const auto normal = make_desc(5, ddp::collective::all_reduce, ddp::dtype::float32, n);
     const auto d = r == 2 ? odd.make(5, n) : normal;
     std::vector<std::byte> buf(8 * n * p);  // big enough for any of the odd calls
@@ -460,7 +499,10 @@ TEST_CASE("ring: ranks calling different ops, dtypes, counts or roots all fail w
   };
   int i = 0;
   for (const auto& odd : calls)
-    for (auto choice : {algorithm_choice::ring, algorithm_choice::small_message}) expect_mismatch(odd, choice, "mm" + std::to_string(i++));
+    for (auto choice : {algorithm_choice::ring, algorithm_choice::small_message}) {
+      expect_mismatch(odd, choice, "mm" + std::to_string(i++));
+      expect_mismatch<plain_comm_t>(odd, choice, "mm" + std::to_string(i++));
+    }
 }
 
 TEST_CASE("ring: ranks calling broadcast or reduce with different roots are told so") {

@@ -10,6 +10,7 @@
 //  - dissemination_barrier: ceil(log2 p) rounds of header-only messages.
 
 #include <cstddef>
+#include <cstring>
 #include <span>
 #include <vector>
 
@@ -23,29 +24,61 @@ namespace ddp::algo {
 
 namespace detail {
 
-/// Every rank's buffer, rank-major, in `all` (this rank's slot left empty: it reads `data`).
+/// Every peer's header and buffer, one contiguous slot per rank (this rank's slot unused: it
+/// reads `data`). A slot is one receive piece, so header and payload arrive in one read (the
+/// payload lands in scratch, never in the output); the header is checked as soon as it is in.
+template <class E>
+struct direct_slots {
+  std::size_t n = 0;
+  std::vector<std::byte> bytes;
+  std::size_t slot() const noexcept { return wire_header::size + n * sizeof(E); }
+  recv_piece piece(int k) noexcept { return {bytes.data() + slot() * static_cast<std::size_t>(k), slot()}; }
+  const E* values(int k) const noexcept {
+    // The header is 32 bytes and slots are multiples of sizeof(E): every payload is aligned.
+    return reinterpret_cast<const E*>(bytes.data() + slot() * static_cast<std::size_t>(k) + wire_header::size);
+  }
+};
+
 template <class T, dtype_like E>
-void direct_exchange(T& t, std::span<const E> data, std::vector<E>& all, const collective_desc& d, deadline dl) {
+void direct_exchange(T& t, std::span<const E> data, direct_slots<E>& all, const collective_desc& d, deadline dl) {
   const int p = t.size(), r = t.rank();
-  const std::size_t n = data.size();
-  all.resize(n * static_cast<std::size_t>(p));
-  header_check hdr(d, r);
+  all.n = data.size();
+  all.bytes.resize(all.slot() * static_cast<std::size_t>(p));
+  const wire_header mine = wire_header::encode(d);
   for (int k = 1; k < p; ++k) {
     const int to = mod(r + k, p), from = mod(r - k, p);
-    const send_piece out[2] = {hdr.out(), bytes_of(data.data(), n)};
-    const recv_piece in[2] = {hdr.in(from), bytes_of(all.data() + n * static_cast<std::size_t>(from), n)};
-    exchange(t, to, std::span<const send_piece>(out), from, std::span<const recv_piece>(in), dl,
-             [&](std::size_t received) { hdr.on_progress(received); });
-    hdr.check();
+    const send_piece out[2] = {send_piece(reinterpret_cast<const std::byte*>(mine.bytes), wire_header::size), bytes_of(data.data(), data.size())};
+    const recv_piece slot = all.piece(from);
+    bool checked = false;
+    auto check = [&] {
+      if (checked) return;
+      checked = true;
+      wire_header theirs;
+      std::memcpy(theirs.bytes, slot.data(), wire_header::size);
+      check_header(theirs, d, r, from);
+    };
+    // A peer that sends a different amount must be caught by its header, not waited for: the
+    // header is checked as soon as it is in (the transport reports progress before it waits).
+    auto progress = [&](std::size_t received) {
+      if (received >= wire_header::size) check();
+    };
+    if constexpr (vectored_transport<T>) {
+      const recv_piece in[1] = {slot};
+      exchange(t, to, std::span<const send_piece>(out), from, std::span<const recv_piece>(in), dl, progress);
+    } else {  // piece by piece: the header alone first
+      const recv_piece in[2] = {slot.first(wire_header::size), slot.subspan(wire_header::size)};
+      exchange(t, to, std::span<const send_piece>(out), from, std::span<const recv_piece>(in), dl, progress);
+    }
+    check();
   }
 }
 
 template <dtype_like E, reduce_op Op>
-void reduce_in_rank_order(std::span<E> data, const std::vector<E>& all, int p, int r, Op op) {
+void reduce_in_rank_order(std::span<E> data, const direct_slots<E>& all, int p, int r, Op op) {
   const std::size_t n = data.size();
   for (std::size_t i = 0; i < n; ++i) {
-    auto acc = widen(r == 0 ? data[i] : all[i]);
-    for (int k = 1; k < p; ++k) acc = op(acc, widen(k == r ? data[i] : all[n * static_cast<std::size_t>(k) + i]));
+    auto acc = widen(r == 0 ? data[i] : all.values(0)[i]);
+    for (int k = 1; k < p; ++k) acc = op(acc, widen(k == r ? data[i] : all.values(k)[i]));
     data[i] = narrow<E>(op.finish(acc, p));
   }
 }
@@ -54,14 +87,14 @@ void reduce_in_rank_order(std::span<E> data, const std::vector<E>& all, int p, i
 
 template <class T, dtype_like E, reduce_op Op>
 void direct_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl) {
-  std::vector<E> all;
+  detail::direct_slots<E> all;
   detail::direct_exchange(t, std::span<const E>(data), all, d, dl);
   detail::reduce_in_rank_order(data, all, t.size(), t.rank(), op);
 }
 
 template <class T, dtype_like E, reduce_op Op>
 void direct_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
-  std::vector<E> all;
+  detail::direct_slots<E> all;
   detail::direct_exchange(t, std::span<const E>(data), all, d, dl);
   if (t.rank() == root) detail::reduce_in_rank_order(data, all, t.size(), t.rank(), op);
 }
