@@ -520,7 +520,10 @@ class process_group {
     return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
       if constexpr (detail::pg_ext_reduce<B, T, Op>) st->backend.reduce(data, root, op, d, until);
       else if constexpr (detail::pg_plain_reduce<B, T, Op>) st->backend.reduce(data, root, op);
-      else backend_all_reduce(*st, data, op, d, until);  // every rank gets the result: a valid reduce
+      else {
+        (void)root;  // every rank gets the result: a valid reduce
+        backend_all_reduce(*st, data, op, d, until);
+      }
     };
   }
 
@@ -593,21 +596,23 @@ class process_group {
   runner send_call(std::span<const T> data, int peer) {
     if constexpr (!detail::pg_ext_send<B, T> && !detail::pg_plain_send<B, T>) {
       throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::send));
+    } else {
+      return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
+        if constexpr (detail::pg_ext_send<B, T>) st->backend.send(data, peer, d, until);
+        else st->backend.send(data, peer);
+      };
     }
-    return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
-      if constexpr (detail::pg_ext_send<B, T>) st->backend.send(data, peer, d, until);
-      else if constexpr (detail::pg_plain_send<B, T>) st->backend.send(data, peer);
-    };
   }
   template <class T>
   runner recv_call(std::span<T> data, int peer) {
     if constexpr (!detail::pg_ext_recv<B, T> && !detail::pg_plain_recv<B, T>) {
       throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::recv));
+    } else {
+      return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
+        if constexpr (detail::pg_ext_recv<B, T>) st->backend.recv(data, peer, d, until);
+        else st->backend.recv(data, peer);
+      };
     }
-    return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
-      if constexpr (detail::pg_ext_recv<B, T>) st->backend.recv(data, peer, d, until);
-      else if constexpr (detail::pg_plain_recv<B, T>) st->backend.recv(data, peer);
-    };
   }
 
   // --- execution ---------------------------------------------------------------------------
