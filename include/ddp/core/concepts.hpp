@@ -4,7 +4,7 @@
 //  - backend:        in-place collectives on contiguous spans (ring, nccl, mpi, or yours);
 //  - transport:      full-duplex byte streams to peers, with deadlines (tcp, shm);
 //  - key_value_store: rendezvous only, never on the data path (tcp_store, file_store, hash_store);
-//  - parameter_container: see core/parameters.hpp.
+//  - parameter_container: see ddp/parameters.hpp.
 //
 // The store concept is named key_value_store, not `store`, because `ddp::store` is the
 // namespace that holds the store implementations.
