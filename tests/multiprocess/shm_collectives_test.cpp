@@ -278,10 +278,10 @@ TEST_CASE("shm collectives: reduce delivers the reduction to the root and leaves
             for (std::size_t i = 0; i < n; ++i) data[i] = input<E>(rank, i);
             comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype_of<E>, n, reduce_kind::sum, root),
                         ddp::deadline::after(60s));
-            const auto what = label("reduce", type_name<E>(), n, group);
+            const auto what = label("reduce", type_name<E>(), n, group) + (rank == root ? "" : " (non-root)");
             for (std::size_t i = 0; i < n; ++i) {
               if (rank == root) expect_near(data[i], reference<E>(p, i, reduce_kind::sum), what, i);
-              else expect_equal(data[i], input<E>(rank, i), what + " (non-root)", i);
+              else expect_equal(data[i], input<E>(rank, i), what, i);
             }
           }
       });
@@ -432,7 +432,8 @@ TEST_CASE("shm collectives: send/recv around the ring and barriers") {
             comm.recv(std::span<E>(in), from, recv_desc, ddp::deadline::after(60s));
             comm.send(std::span<const E>(out), to, send_desc, ddp::deadline::after(60s));
           }
-          for (std::size_t i = 0; i < n; ++i) expect_equal(in[i], input<E>(from, i), std::string("recv ") + type_name<E>(), i);
+          const std::string what = std::string("recv ") + type_name<E>();
+          for (std::size_t i = 0; i < n; ++i) expect_equal(in[i], input<E>(from, i), what, i);
           comm.barrier(make_desc(++seq, collective::barrier, ddp::dtype::uint8, 0), ddp::deadline::after(60s));
         }
       });
