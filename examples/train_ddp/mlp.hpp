@@ -331,10 +331,14 @@ class mlp {
     thrust::for_each(thrust::device, count(0), count(b), kernels::pick_target{ptr(lp_), ptr(y_), ptr(picked_), out_});
     host_picked_.resize(static_cast<std::size_t>(b));
     thrust::copy(picked_.begin(), picked_.begin() + b, host_picked_.begin());
-    const float* p = host_picked_.data();
-    const float sum = torch_nll_sum(b, [p](long i) { return p[i]; });
+    const float sum = torch_nll_sum(b, host_load{host_picked_.data()});
     return sum / static_cast<float>(b);
   }
+
+  struct host_load {
+    const float* p;
+    TRAIN_HD float operator()(long i) const { return p[i]; }
+  };
 
   int in_, hidden_, out_;
   Gemm gemm_;
