@@ -1,5 +1,5 @@
 // Measurement, not a test (hidden: run it by name in a Release build):
-//   shm_bench_test "[.bench]"     (DDP_BENCH_P=2 by default)
+//   shm_bench_test "[.bench]"     (DDP_BENCH_P=2 by default; DDP_BENCH_CHUNK=<staging chunk bytes>)
 // p forked ranks, float32 sum all_reduce at 4 B .. 64 MiB, three systems interleaved:
 //  - probe: the bare limit (one shared mapping holds every rank's buffer; each rank sums its
 //    slice in place and writes the sum into every buffer; spin barriers before and after);
@@ -95,7 +95,9 @@ TEST_CASE("shm bench: all_reduce float32 sum, probe vs group vs user buffers", "
       p,
       [&](int rank) {
         ddp::store::file_store st(path);
-        ddp::algo::shm_communicator comm(st, tag + "/", rank, p, ddp::deadline::after(30s));
+        ddp::algo::shm_communicator::options opts;
+        if (const char* c = std::getenv("DDP_BENCH_CHUNK")) opts.chunk_bytes = std::strtoull(c, nullptr, 10);
+        ddp::algo::shm_communicator comm(st, tag + "/", rank, p, ddp::deadline::after(30s), opts);
         auto group = comm.allocate<float>(max_floats, ddp::deadline::after(30s));
         std::vector<float> user(max_floats, 0.0f);
         std::fill(group.begin(), group.end(), 0.0f);

@@ -111,9 +111,12 @@ TEST_CASE("shm failure: a peer SIGKILLed before a collective is peer_lost on eve
       std::vector<float> data(n, 1.0f);
       comm.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(1, collective::all_reduce, ddp::dtype::float32, n), ddp::deadline::after(20s));
       if (rank == 2) {
+        // Dies once the others are through call 1 (else they could see the abort inside it).
+        st.wait({"through0", "through1"}, 20s);
         st.set_string("killed_at", std::to_string(now_ns()));
         ::raise(SIGKILL);
       }
+      st.set_string("through" + std::to_string(rank), "1");
       expect_error(ddp::errc::peer_lost, {"peer rank 2", "pid", "exited"}, [&] {
         comm.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(2, collective::all_reduce, ddp::dtype::float32, n), ddp::deadline::after(20s));
       });

@@ -50,7 +50,7 @@ class shm_communicator {
  public:
   struct options {
     std::size_t small_bytes = 8192;          // largest per-rank payload sent with the header
-    std::size_t chunk_bytes = 256 << 10;     // staging chunk for ordinary buffers
+    std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
     int depth = 4;                           // staging chunks per rank (>= 2)
     std::size_t p2p_ring_bytes = 1 << 20;    // send/recv ring per ordered pair
     ddp::detail::shm::shm_wait_policy wait{};
