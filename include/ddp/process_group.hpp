@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -152,8 +153,9 @@ class process_group {
     return live().seq;
   }
   group_stats stats() const {
-    std::lock_guard lock(live().stats_mutex);
-    return live().stats;
+    group_stats out;
+    for (std::size_t i = 0; i < out.by_op.size(); ++i) out.by_op[i] = live().counters[i].snapshot();
+    return out;
   }
   /// Whether an earlier collective failed (then every call fails with that cause).
   bool broken() const noexcept { return s_ && s_->is_broken.load(); }
@@ -365,6 +367,29 @@ class process_group {
     std::shared_ptr<detail::work_state> work;
   };
 
+  // Written only by the executing thread (one collective at a time), read by anyone: relaxed
+  // atomics, so neither side takes a lock on the latency path.
+  struct counters_of_op {
+    std::atomic<std::uint64_t> calls{0}, failures{0}, bytes{0};
+    std::atomic<std::int64_t> nanoseconds{0};
+    void add(std::size_t b, std::chrono::nanoseconds t, bool failed) noexcept {
+      constexpr auto r = std::memory_order_relaxed;
+      calls.store(calls.load(r) + 1, r);
+      bytes.store(bytes.load(r) + b, r);
+      nanoseconds.store(nanoseconds.load(r) + t.count(), r);
+      if (failed) failures.store(failures.load(r) + 1, r);
+    }
+    collective_stats snapshot() const noexcept {
+      constexpr auto r = std::memory_order_relaxed;
+      return {.calls = calls.load(r), .failures = failures.load(r), .bytes = bytes.load(r), .time = std::chrono::nanoseconds(nanoseconds.load(r))};
+    }
+  };
+
+  static deadline after(clock::time_point now, std::chrono::milliseconds t) noexcept {
+    const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(clock::time_point::max() - now);
+    return t >= limit ? deadline::never() : deadline(now + t);
+  }
+
   struct state {
     state(B b, group_options opts)
         : backend(std::move(b)),
@@ -406,8 +431,7 @@ class process_group {
     std::optional<error> failure;  // the first error; the group is broken from then on
     std::atomic<bool> is_broken{false};
 
-    mutable std::mutex stats_mutex;
-    group_stats stats;
+    std::array<counters_of_op, 12> counters{};  // indexed by ddp::collective
     std::uint64_t tokens = 0;  // watchdog tokens, touched only by the executing thread
 
     detail::pg_watchdog watchdog;  // last: stopped first, while the backend still exists
@@ -488,11 +512,11 @@ class process_group {
 
   // --- the calls into the backend (run at execution time, with the sequenced desc) --------
   template <class T, class Op>
-  runner all_reduce_call(std::span<T> data, Op op) {
+  auto all_reduce_call(std::span<T> data, Op op) {
     return [st = s_.get(), data, op](const collective_desc& d, deadline until) { backend_all_reduce(*st, data, op, d, until); };
   }
   template <class T, class Op>
-  runner all_reduce_call(std::span<const T> in, std::span<T> out, Op op) {
+  auto all_reduce_call(std::span<const T> in, std::span<T> out, Op op) {
     if (in.data() != out.data() && detail::pg_overlap(in, out)) {
       throw error(errc::invalid_argument, "in and out overlap partially: pass the same span for in-place", call_context(collective::all_reduce));
     }
@@ -508,7 +532,7 @@ class process_group {
   }
 
   template <class T>
-  runner broadcast_call(std::span<T> data, int root) {
+  auto broadcast_call(std::span<T> data, int root) {
     return [st = s_.get(), data, root](const collective_desc& d, deadline until) {
       if constexpr (detail::pg_ext_broadcast<B, T>) st->backend.broadcast(data, root, d, until);
       else st->backend.broadcast(data, root);
@@ -516,7 +540,7 @@ class process_group {
   }
 
   template <class T, class Op>
-  runner reduce_call(std::span<T> data, int root, Op op) {
+  auto reduce_call(std::span<T> data, int root, Op op) {
     return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
       if constexpr (detail::pg_ext_reduce<B, T, Op>) st->backend.reduce(data, root, op, d, until);
       else if constexpr (detail::pg_plain_reduce<B, T, Op>) st->backend.reduce(data, root, op);
@@ -528,7 +552,7 @@ class process_group {
   }
 
   template <class T>
-  runner all_gather_call(std::span<const T> in, std::span<T> out) {
+  auto all_gather_call(std::span<const T> in, std::span<T> out) {
     return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
       std::vector<std::remove_cv_t<T>> copy;
       std::span<const T> src = in;
@@ -542,7 +566,7 @@ class process_group {
   }
 
   template <class T, class Op>
-  runner reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
+  auto reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
     return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
       std::vector<std::remove_cv_t<T>> copy;
       std::span<const T> src = in;
@@ -556,7 +580,7 @@ class process_group {
   }
 
   template <class T>
-  runner all_to_all_call(std::span<const T> in, std::span<T> out) {
+  auto all_to_all_call(std::span<const T> in, std::span<T> out) {
     return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
       using V = std::remove_cv_t<T>;
       std::vector<V> copy;
@@ -585,7 +609,7 @@ class process_group {
     };
   }
 
-  runner barrier_call() {
+  auto barrier_call() {
     return [st = s_.get()](const collective_desc& d, deadline until) {
       if constexpr (detail::pg_ext_barrier<B>) st->backend.barrier(d, until);
       else st->backend.barrier();
@@ -593,9 +617,10 @@ class process_group {
   }
 
   template <class T>
-  runner send_call(std::span<const T> data, int peer) {
+  auto send_call(std::span<const T> data, int peer) {
     if constexpr (!detail::pg_ext_send<B, T> && !detail::pg_plain_send<B, T>) {
       throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::send));
+      return [](const collective_desc&, deadline) {};  // never reached; gives the function its type
     } else {
       return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
         if constexpr (detail::pg_ext_send<B, T>) st->backend.send(data, peer, d, until);
@@ -604,9 +629,10 @@ class process_group {
     }
   }
   template <class T>
-  runner recv_call(std::span<T> data, int peer) {
+  auto recv_call(std::span<T> data, int peer) {
     if constexpr (!detail::pg_ext_recv<B, T> && !detail::pg_plain_recv<B, T>) {
       throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::recv));
+      return [](const collective_desc&, deadline) {};  // never reached; gives the function its type
     } else {
       return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
         if constexpr (detail::pg_ext_recv<B, T>) st->backend.recv(data, peer, d, until);
@@ -619,7 +645,9 @@ class process_group {
   error fail_fast(const collective_desc& desc) const { return fail_fast_of(*s_, desc); }
 
   // A blocking call: after the queued collectives, on this thread.
-  void run(collective_desc desc, std::size_t bytes, const runner& fn) {
+  // The callable stays a template here (no std::function, no allocation on the latency path).
+  template <class F>
+  void run(collective_desc desc, std::size_t bytes, const F& fn) {
     state& s = *s_;
     {
       std::unique_lock lock(s.mutex);
@@ -699,15 +727,16 @@ class process_group {
     }
   }
 
-  static void execute_on(state& s, const collective_desc& desc, std::size_t bytes, const runner& fn, detail::work_state* ws) {
-    const std::chrono::milliseconds timeout(s.timeout_ms.load());
-    const deadline until = deadline::after(timeout);
-    const deadline fire_at = deadline::after(timeout + watchdog_grace(timeout));
+  template <class F>
+  static void execute_on(state& s, const collective_desc& desc, std::size_t bytes, const F& fn, detail::work_state* ws) {
+    const std::chrono::milliseconds timeout(s.timeout_ms.load(std::memory_order_relaxed));
+    const auto start = clock::now();  // one clock read for the deadline, the watchdog and the statistics
+    const deadline until = after(start, timeout);
+    const deadline fire_at = after(start, timeout + watchdog_grace(timeout));
     const std::uint64_t token = ++s.tokens;
     // A waiter gives up on a backend that ignores abort() a while after the watchdog fired.
-    if (ws) ws->started(deadline::after(timeout + watchdog_grace(timeout) + std::chrono::seconds(2)));
+    if (ws) ws->started(after(start, timeout + watchdog_grace(timeout) + std::chrono::seconds(2)));
     s.watchdog.begin(token, fire_at);
-    const auto start = clock::now();
     std::optional<error> failure;
     try {
       fn(desc, until);
@@ -732,14 +761,7 @@ class process_group {
       if (failure && failure->code() != errc::timeout) message += " (the backend then reported: " + failure->message() + ")";
       failure = error(errc::timeout, message, desc.context(s.rank));
     }
-    {
-      std::lock_guard lock(s.stats_mutex);
-      auto& st = s.stats[desc.op];
-      ++st.calls;
-      st.bytes += bytes;
-      st.time += std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
-      if (failure) ++st.failures;
-    }
+    s.counters[static_cast<std::size_t>(desc.op)].add(bytes, std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed), failure.has_value());
     if (failure) {
       {
         std::lock_guard lock(s.mutex);
