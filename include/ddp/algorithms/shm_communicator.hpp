@@ -623,13 +623,16 @@ class shm_communicator {
       const std::size_t lo = shm_direct::slice_begin<E>(len, size_, rank_), hi = shm_direct::slice_begin<E>(len, size_, rank_ + 1);
       wait_counter(shm_direct::arrived, g + 1, -1, d, dl, "stage its chunk");
       for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + lo;
-      E* dst = stage(rank_, k) + lo;
-      shm_direct::fold(src.data(), size_, &dst, 1, hi - lo, op);
+      // The own slice goes to staging (for the peers) and straight into the result.
+      const bool result_here = root < 0 || root == rank_;
+      E* dst[2] = {stage(rank_, k) + lo, data + k * m + lo};
+      shm_direct::fold(src.data(), size_, dst, result_here ? 2 : 1, hi - lo, op);
       set(shm_direct::reduced, g + 1);
       if (k + 1 < chunks) copy_in(k + 1);
-      if (root < 0 || root == rank_) {
+      if (result_here) {
         wait_counter(shm_direct::reduced, g + 1, -1, d, dl, "reduce its slice");
         for (int j = 0; j < size_; ++j) {
+          if (j == rank_) continue;
           const std::size_t a = shm_direct::slice_begin<E>(len, size_, j), b = shm_direct::slice_begin<E>(len, size_, j + 1);
           std::memcpy(data + k * m + a, stage(j, k) + a, (b - a) * sizeof(E));
         }
