@@ -37,6 +37,7 @@
 #include "ddp/algorithms/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
+#include "ddp/core/host.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
@@ -97,20 +98,6 @@ constexpr std::string_view to_string(ring_options::transport_kind t) noexcept {
   }
   return "unknown";
 }
-
-namespace detail {
-
-/// "hostname boot-id": equal for two processes exactly when they can share memory.
-inline std::string ring_host_identity() {
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  return std::string(host) + " " + boot;
-}
-
-}  // namespace detail
 
 class ring_backend {
  public:
@@ -291,7 +278,7 @@ class ring_backend {
     // Every rank publishes where it runs; all on this host -> shared memory.
     auto& st = *s_->store;
     const std::string key = s_->options.prefix + "/host/";
-    const std::string mine = detail::ring_host_identity();
+    const std::string mine = host_identity();
     st.set_string(key + std::to_string(s_->rank), mine);
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(key + std::to_string(r));

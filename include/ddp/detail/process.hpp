@@ -80,9 +80,11 @@ inline std::string find_executable(const std::string& program) {
   std::size_t pos = 0;
   while (pos <= path.size()) {
     const std::size_t colon = std::min(path.find(':', pos), path.size());
-    std::string dir(path.substr(pos, colon - pos));
-    if (dir.empty()) dir = ".";
-    const std::string candidate = dir + "/" + program;
+    const std::string_view dir = colon == pos ? std::string_view(".") : path.substr(pos, colon - pos);
+    // Built by appending: GCC 12's -Wrestrict misfires on string assignment and + here at -O2.
+    std::string candidate;
+    candidate.reserve(dir.size() + 1 + program.size());
+    candidate.append(dir).append(1, '/').append(program);
     if (executable(candidate)) return candidate;
     pos = colon + 1;
   }

@@ -9,9 +9,9 @@
 // closed without disturbing the group. The listener is closed once the mesh is complete.
 //
 // Listen address: tcp_options::listen_address, else DDP_SOCKET_ADDR, else 127.0.0.1 when every
-// rank runs on this host (decided from the host identities the ranks publish); ranks on several
-// hosts without either setting are a config error that says what to set (binding 0.0.0.0 silently
-// would expose the job to the network).
+// rank runs on this host (decided from the host identities the ranks publish); on several hosts,
+// the local address this host reaches MASTER_ADDR from; failing all of these, a config error that
+// says what to set (binding 0.0.0.0 silently would expose the job to the network).
 //
 // Data path: non-blocking sockets, TCP_NODELAY, large SO_SNDBUF/SO_RCVBUF; send_recv moves both
 // directions in one poll loop, so a ring step cannot deadlock at any size; scatter-gather pieces
@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "ddp/core/concepts.hpp"
+#include "ddp/core/host.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/store/store.hpp"
@@ -132,16 +133,6 @@ inline nonce random_nonce() {
     for (std::size_t k = 0; k < 4; ++k) n[i + k] = static_cast<unsigned char>(v >> (8 * k));
   }
   return n;
-}
-
-/// What tells two hosts apart: the kernel's boot id (distinct per machine and boot), else the hostname.
-inline std::string host_identity() {
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  if (f && std::getline(f, id) && !id.empty()) return id;
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  return name;
 }
 
 /// Writes all of `bytes` on a non-blocking socket before the deadline (rendezvous only).
@@ -408,13 +399,17 @@ class tcp_transport {
   std::string choose_listen_address(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
     if (!opts.listen_address.empty()) return opts.listen_address;
     if (const char* env = std::getenv("DDP_SOCKET_ADDR"); env != nullptr && *env != '\0') return env;
-    const std::string me = detail::tcp::host_identity();
+    const std::string me = ddp::host_identity();
     store.set_string(prefix + "/tcp/host/" + std::to_string(s_->rank), me);
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(prefix + "/tcp/host/" + std::to_string(r));
     wait_for_ranks(store, keys, opts.timeout, "publish their host identity");
     for (const auto& k : keys) {
       if (store.get_string(k) != me) {
+        // Several hosts: listen where this host reaches the rendezvous host from.
+        if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
+          if (auto address = local_address_towards(master); !address.empty()) return address;
+        }
         throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
                                   "this host's address on the network the ranks share", {.rank = s_->rank});
       }
