@@ -33,6 +33,9 @@
 #if defined(__CUDACC__)
 #include "cublas_gemm.hpp"
 #endif
+#if defined(DDP_HAS_MPI)
+#include "ddp/mpi.hpp"  // registers --backend mpi
+#endif
 
 namespace train {
 

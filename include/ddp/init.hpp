@@ -8,7 +8,7 @@
 //    nothing set is a world of one), unless init_options overrides them;
 // 2. the rendezvous store is init_options::store when given; otherwise, for a world larger
 //    than one, a tcp_store at MASTER_ADDR:MASTER_PORT whose server rank 0 runs (a world of one
-//    needs no store at all);
+//    needs no store at all; nor does a backend registered with {.store = false}, such as "mpi");
 // 3. the backend is built by the factory registered under the name. Built in: "ring", "tcp",
 //    "shm" (ring_backend with that transport choice). <ddp/nccl.hpp> and <ddp/mpi.hpp> register
 //    "nccl" and "mpi" (register_backend, through an inline variable); without them the name is
@@ -63,12 +63,21 @@ struct backend_context {
 
 using backend_factory = std::function<group(const backend_context&)>;
 
+/// What init_process_group prepares for a backend before calling its factory.
+struct backend_requirements {
+  bool store = true;  // false: the backend rendezvouses by itself (MPI), so no tcp_store is made
+};
+
 namespace detail {
 
 struct pg_registry {
   pg_registry();  // with the built-in backends
   std::mutex mutex;
-  std::map<std::string, backend_factory, std::less<>> factories;
+  struct entry {
+    backend_factory factory;
+    backend_requirements requirements;
+  };
+  std::map<std::string, entry, std::less<>> factories;
   std::uint64_t calls = 0;
 };
 
@@ -81,9 +90,9 @@ inline group pg_make_ring(const backend_context& c, ring_options::transport_kind
 }
 
 inline pg_registry::pg_registry() {
-  factories["ring"] = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::automatic); };
-  factories["tcp"] = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::tcp); };
-  factories["shm"] = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::shm); };
+  factories["ring"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::automatic); };
+  factories["tcp"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::tcp); };
+  factories["shm"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::shm); };
 }
 
 // A function-local static: registration from other headers' inline variables may run before
@@ -97,10 +106,10 @@ inline pg_registry& pg_backends() {
 
 /// Makes `name` available to init_process_group (replacing an earlier factory of that name).
 /// Returns true, so a header can register with `inline const bool registered = ddp::register_backend(...)`.
-inline bool register_backend(std::string name, backend_factory factory) {
+inline bool register_backend(std::string name, backend_factory factory, backend_requirements requirements = {}) {
   auto& r = detail::pg_backends();
   std::lock_guard lock(r.mutex);
-  r.factories[std::move(name)] = std::move(factory);
+  r.factories[std::move(name)] = {std::move(factory), requirements};
   return true;
 }
 
@@ -115,11 +124,15 @@ inline std::vector<std::string> registered_backends() {
 
 inline group init_process_group(std::string_view backend = "ring", init_options opts = {}) {
   backend_factory factory;
+  backend_requirements requirements;
   std::uint64_t call = 0;
   {
     auto& r = detail::pg_backends();
     std::lock_guard lock(r.mutex);
-    if (auto it = r.factories.find(backend); it != r.factories.end()) factory = it->second;
+    if (auto it = r.factories.find(backend); it != r.factories.end()) {
+      factory = it->second.factory;
+      requirements = it->second.requirements;
+    }
     if (!factory) {
       if (backend == "nccl") {
         throw error(errc::unavailable,
@@ -154,7 +167,7 @@ inline group init_process_group(std::string_view backend = "ring", init_options 
   }
   c.prefix = opts.prefix + "/" + std::to_string(call);
   c.store = opts.store;
-  if (!c.store && c.world_size > 1) {
+  if (!c.store && c.world_size > 1 && requirements.store) {
     c.store = store::make_tcp_store(c.env.master_addr, static_cast<std::uint16_t>(c.env.master_port), c.rank == 0, opts.init_timeout);
   }
   c.options = std::move(opts);

@@ -77,3 +77,20 @@ TEST_CASE("nccl_backend: more local ranks than devices is a clear error") {
     CHECK(std::string(e.what()).find("CUDA device(s) are visible") != std::string::npos);
   }
 }
+
+TEST_CASE("init_process_group(\"nccl\"): a world of one on device 0") {
+  const int devices = visible_devices();
+  if (devices == 0) ddp::test::skip("no CUDA device visible on this machine");
+  auto group = ddp::init_process_group("nccl", {.rank = 0, .world_size = 1});
+  CHECK(group.memory() == ddp::memory_space::device);
+  const std::size_t n = 4096;
+  std::vector<int> host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<int>(i);
+  int* device = nullptr;
+  ddp::detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&device), n * sizeof(int)), "cudaMalloc");
+  ddp::detail::cuda_check(cudaMemcpy(device, host.data(), n * sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy");
+  group.all_reduce(std::span<int>(device, n), ddp::max{});
+  const auto result = to_host(device, n);
+  cudaFree(device);
+  CHECK(result == host);
+}

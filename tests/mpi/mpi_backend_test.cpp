@@ -132,6 +132,27 @@ TEST_CASE("mpi_backend: ranks calling different collectives all get errc::mismat
   CHECK(after[0] == static_cast<float>(backend.size()));
 }
 
+TEST_CASE("init_process_group(\"mpi\"): MPI_COMM_WORLD as a process group, no store, no MASTER_ADDR") {
+  environment();
+  int world_rank = 0, world_size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  auto group = ddp::init_process_group("mpi", {.timeout = std::chrono::seconds(30)});
+  CHECK(group.rank() == world_rank);
+  CHECK(group.size() == world_size);
+  // Closed form: the sum of (rank + 1) * (i + 1) over ranks is (i + 1) * W (W + 1) / 2.
+  std::vector<double> data(1000);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<double>((world_rank + 1) * static_cast<int>(i + 1));
+  group.all_reduce(std::span<double>(data), ddp::sum{});
+  for (std::size_t i = 0; i < data.size(); ++i) {
+    REQUIRE(data[i] == static_cast<double>(i + 1) * world_size * (world_size + 1) / 2);
+  }
+  std::vector<int> root_value{world_rank == 0 ? 4242 : -1};
+  group.broadcast(std::span<int>(root_value), 0);
+  CHECK(root_value[0] == 4242);
+  group.barrier();
+}
+
 TEST_CASE("mpi_backend: a rank that does not arrive is errc::timeout at the deadline", "[multirank]") {
   environment();
   ddp::mpi_backend backend;

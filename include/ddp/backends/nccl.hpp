@@ -28,6 +28,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ddp/core/collective.hpp"
@@ -130,6 +131,12 @@ class nccl_backend {
 
   nccl_backend(const nccl_backend&) = delete;
   nccl_backend& operator=(const nccl_backend&) = delete;
+  // Movable so that a process_group can own it; the moved-from backend holds nothing.
+  nccl_backend(nccl_backend&& other) noexcept
+      : rank_(other.rank_), size_(other.size_), device_(other.device_), options_(std::move(other.options_)),
+        stream_(std::exchange(other.stream_, nullptr)), comm_(std::exchange(other.comm_, nullptr)),
+        fingerprint_(std::exchange(other.fingerprint_, nullptr)), seq_(other.seq_), aborted_(other.aborted_.load()) {}
+  nccl_backend& operator=(nccl_backend&&) = delete;
 
   ~nccl_backend() {
     if (comm_ != nullptr) {
