@@ -26,6 +26,7 @@ struct options {
   int nproc_per_node = 1;                  // > 1 and RANK unset: relaunch as N ranks
   std::string gemm = "exact";              // exact (PyTorch's bits) | eigen (CPU) | cublas (CUDA)
   int simulate_world = 0;                  // > 0: one process, W replicas, averaged in rank order
+  std::string scaling;                     // "1,2,4": the scaling report (scaling.hpp) instead of one run
 };
 
 inline options parse_options(int argc, char** argv) {
@@ -54,6 +55,9 @@ inline options parse_options(int argc, char** argv) {
   app.add_option("--simulate-world", o.simulate_world,
                  "run W replicas in this one process and average their gradients in rank order (no communication)")
       ->check(CLI::Range(0, 1024));
+  app.add_option("--scaling", o.scaling,
+                 "run the job at these world sizes (e.g. 1,2,4), strong and weak scaling, and write the report to "
+                 "--report PREFIX (.md, .csv, .png)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -33,6 +33,11 @@ struct report {
   std::vector<std::string> printed_lines;
   std::vector<float> step_losses_rank0;
   double train_loop_seconds = 0;
+  // Rank 0's training loop split up: forward, backward and SGD (compute); the bucket all-reduces
+  // from start to end (communication, mostly overlapped with backward); what finish() waited for
+  // after backward (exposed communication).
+  long steps = 0;
+  double compute_seconds = 0, communication_seconds = 0, exposed_communication_seconds = 0;
   double samples_processed = 0;  // over all ranks, padding included (what the ranks computed)
   std::vector<std::int64_t> peak_rss_bytes_by_rank;
   std::int64_t peak_device_memory_bytes = -1;  // CUDA build only
@@ -85,6 +90,10 @@ inline std::string to_json(const report& r) {
        list(r.epoch_loss_sums_by_rank, [&](const std::vector<double>& v) { return list(v, d); }) + ",\n";
   s += "  \"step_losses_rank0\": " + list(r.step_losses_rank0, [](float v) { return num(v); }) + ",\n";
   s += "  \"train_loop_seconds\": " + num(r.train_loop_seconds) + ",\n";
+  s += "  \"steps\": " + std::to_string(r.steps) + ",\n";
+  s += "  \"compute_seconds\": " + num(r.compute_seconds) + ",\n";
+  s += "  \"communication_seconds\": " + num(r.communication_seconds) + ",\n";
+  s += "  \"exposed_communication_seconds\": " + num(r.exposed_communication_seconds) + ",\n";
   s += "  \"throughput_samples_per_s\": " + num(r.train_loop_seconds > 0 ? r.samples_processed / r.train_loop_seconds : 0) + ",\n";
   s += "  \"peak_rss_bytes_by_rank\": " + list(r.peak_rss_bytes_by_rank, i64) + ",\n";
   if (r.peak_device_memory_bytes >= 0) s += "  \"peak_device_memory_bytes\": " + i64(r.peak_device_memory_bytes) + ",\n";

@@ -29,6 +29,7 @@
 #include "mlp.hpp"
 #include "options.hpp"
 #include "report.hpp"
+#include "scaling.hpp"
 
 #if defined(__CUDACC__)
 #include "cublas_gemm.hpp"
@@ -220,22 +221,33 @@ int run_distributed(const options& o, Gemm gemm) {
   std::vector<double> totals;
   probe.sample();
   group.barrier();  // time the loop, not the rendezvous
-  const auto t0 = std::chrono::steady_clock::now();
+  using clock = std::chrono::steady_clock;
+  const auto seconds = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  const auto comm_before = group.stats()[ddp::collective::all_reduce].time;
+  const auto t0 = clock::now();
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     sampler.set_epoch(epoch);
     double total_loss = 0;
     for (const auto batch : sampler.batches(o.batch_size)) {
       float loss = 0;
+      const auto step_start = clock::now();
+      clock::time_point backward_done, synchronized;
       if constexpr (cuda_build) {
         loss = model.forward_backward(data, batch);
+        backward_done = clock::now();
         thrust::copy(model.grads().begin(), model.grads().end(), host_grads.begin());
         net.synchronize();
         thrust::copy(host_grads.begin(), host_grads.end(), model.grads().begin());
       } else {
         loss = model.forward_backward(data, batch, [&](int i) { net.mark_ready(std::size_t(i)); });
+        backward_done = clock::now();
         net.finish();  // wait for the bucket all-reduces: gradients are now the mean over ranks
       }
+      synchronized = clock::now();
       model.sgd_step(o.lr);
+      rep.compute_seconds += seconds(backward_done - step_start) + seconds(clock::now() - synchronized);
+      rep.exposed_communication_seconds += seconds(synchronized - backward_done);
+      ++rep.steps;
       total_loss += loss;
       if (rank == 0) rep.step_losses_rank0.push_back(loss);
       rep.samples_processed += double(batch.size());
@@ -248,8 +260,9 @@ int run_distributed(const options& o, Gemm gemm) {
       std::fflush(stdout);
     }
   }
+  rep.communication_seconds = seconds(group.stats()[ddp::collective::all_reduce].time - comm_before);
   group.barrier();
-  rep.train_loop_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rep.train_loop_seconds = seconds(clock::now() - t0);
 
   // Exact evaluation: rank r takes samples r, r + W, ...: every sample exactly once.
   const eval_result e = model.evaluate(data, rank, world);
@@ -306,6 +319,7 @@ inline int run_with_gemm(const options& o) {
 int main(int argc, char** argv) {
   try {
     const train::options o = train::parse_options(argc, argv);
+    if (!o.scaling.empty() && std::getenv("RANK") == nullptr) return train::run_scaling(o, argc, argv);
     if (o.nproc_per_node > 1 && o.simulate_world == 0 && std::getenv("RANK") == nullptr) {
       // Like `torchrun --standalone --nproc-per-node N train_ddp ...`: N copies of this binary.
       ddp::launch_options lo;
