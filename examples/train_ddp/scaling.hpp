@@ -37,6 +37,16 @@ struct scaling_row {
   double compute_ms = 0, comm_ms = 0, exposed_ms = 0;  // per step, rank 0
 };
 
+/// N ranks of this binary on this host, like `torchrun --standalone --nproc-per-node N`.
+inline ddp::launch_options local_launch(int nproc_per_node) {
+  ddp::launch_options lo;
+  lo.nproc_per_node = nproc_per_node;
+  lo.standalone = true;
+  lo.master_port = 0;
+  lo.name = "train_ddp";
+  return lo;
+}
+
 namespace detail {
 
 // Reads the numbers train_ddp's own report writes (report.hpp): `"key": value` and `"key": [a, b]`.
@@ -103,7 +113,8 @@ inline std::string fixed(double v, int digits) {
   return b;
 }
 
-inline void write_outputs(const std::string& prefix, const std::vector<scaling_row>& rows, const options& o) {
+// Writes PREFIX.csv, PREFIX.md and (with gnuplot) PREFIX.png; returns the Markdown table.
+inline std::string write_outputs(const std::string& prefix, const std::vector<scaling_row>& rows, const options& o) {
   {
     std::ofstream csv(prefix + ".csv");
     csv << "series,ranks,batch_per_rank,samples,train_loop_s,whole_job_s,throughput_samples_per_s,speedup,efficiency,"
@@ -122,7 +133,7 @@ inline void write_outputs(const std::string& prefix, const std::vector<scaling_r
                              (device ? " device MiB |" : "") +
                              " final loss | accuracy | compute ms/step | comm ms/step | exposed ms/step |";
   const auto columns = static_cast<std::size_t>(std::count(header.begin(), header.end(), '|') - 1);
-  std::ofstream md(prefix + ".md");
+  std::ostringstream md;
   md << "# train_ddp scaling: MLP " << o.features << "-" << o.hidden << "-" << o.classes << ", " << o.epochs
      << " epochs, backend " << o.backend << ", gemm " << o.gemm << "\n\n"
      << "strong: " << o.samples << " samples and global batch " << o.batch_size
@@ -143,11 +154,12 @@ inline void write_outputs(const std::string& prefix, const std::vector<scaling_r
        << fixed(r.accuracy, 4) << " | " << fixed(r.compute_ms, 3) << " | " << fixed(r.comm_ms, 3) << " | "
        << fixed(r.exposed_ms, 3) << " |\n";
   }
-  md.close();
+  const std::string table = md.str();
+  std::ofstream(prefix + ".md") << table;
 
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
     std::fprintf(stderr, "train_ddp --scaling: gnuplot not installed, no plot (apt-get install gnuplot-nox)\n");
-    return;
+    return table;
   }
   const std::string script = prefix + ".gp";
   {
@@ -168,6 +180,7 @@ inline void write_outputs(const std::string& prefix, const std::vector<scaling_r
   } else {
     std::filesystem::remove(script);
   }
+  return table;
 }
 
 }  // namespace detail
@@ -195,13 +208,8 @@ inline int run_scaling(const options& o, int argc, char** argv) {
                    rows.size() + 1, total, series.c_str(), n, row.batch_per_rank, row.samples);
       std::fflush(stderr);
       const std::string report_path = (run_dir / (series + "-" + std::to_string(n) + ".json")).string();
-      ddp::launch_options lo;
-      lo.nproc_per_node = n;
-      lo.standalone = true;
-      lo.master_port = 0;
-      lo.name = "train_ddp";
       const auto start = std::chrono::steady_clock::now();
-      const auto result = ddp::launch(lo, detail::run_arguments(argc, argv, row.batch_per_rank, row.samples, report_path));
+      const auto result = ddp::launch(local_launch(n), detail::run_arguments(argc, argv, row.batch_per_rank, row.samples, report_path));
       row.job_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (result.exit_code != 0) {
         std::filesystem::remove_all(run_dir);
@@ -234,9 +242,7 @@ inline int run_scaling(const options& o, int argc, char** argv) {
     }
   }
   std::filesystem::remove_all(run_dir);
-  detail::write_outputs(prefix, rows, o);
-  std::ifstream table(prefix + ".md");
-  std::printf("%s", std::string((std::istreambuf_iterator<char>(table)), std::istreambuf_iterator<char>()).c_str());
+  std::printf("%s", detail::write_outputs(prefix, rows, o).c_str());
   std::fprintf(stderr, "train_ddp --scaling: wrote %s.md, %s.csv%s\n", prefix.c_str(), prefix.c_str(),
                std::filesystem::exists(prefix + ".png") ? (", " + prefix + ".png").c_str() : "");
   return 0;

@@ -231,7 +231,7 @@ int run_distributed(const options& o, Gemm gemm) {
     for (const auto batch : sampler.batches(o.batch_size)) {
       float loss = 0;
       const auto step_start = clock::now();
-      clock::time_point backward_done, synchronized;
+      clock::time_point backward_done;
       if constexpr (cuda_build) {
         loss = model.forward_backward(data, batch);
         backward_done = clock::now();
@@ -243,7 +243,7 @@ int run_distributed(const options& o, Gemm gemm) {
         backward_done = clock::now();
         net.finish();  // wait for the bucket all-reduces: gradients are now the mean over ranks
       }
-      synchronized = clock::now();
+      const auto synchronized = clock::now();
       model.sgd_step(o.lr);
       rep.compute_seconds += seconds(backward_done - step_start) + seconds(clock::now() - synchronized);
       rep.exposed_communication_seconds += seconds(synchronized - backward_done);
@@ -319,17 +319,13 @@ inline int run_with_gemm(const options& o) {
 int main(int argc, char** argv) {
   try {
     const train::options o = train::parse_options(argc, argv);
-    if (!o.scaling.empty() && std::getenv("RANK") == nullptr) return train::run_scaling(o, argc, argv);
-    if (o.nproc_per_node > 1 && o.simulate_world == 0 && std::getenv("RANK") == nullptr) {
+    const bool launched = std::getenv("RANK") != nullptr;  // a rank of a job, not the command a user typed
+    if (!o.scaling.empty() && !launched) return train::run_scaling(o, argc, argv);
+    if (o.nproc_per_node > 1 && o.simulate_world == 0 && !launched) {
       // Like `torchrun --standalone --nproc-per-node N train_ddp ...`: N copies of this binary.
-      ddp::launch_options lo;
-      lo.nproc_per_node = o.nproc_per_node;
-      lo.standalone = true;
-      lo.master_port = 0;
-      lo.name = "train_ddp";
       std::vector<std::string> args(argv, argv + argc);
       args[0] = std::filesystem::read_symlink("/proc/self/exe").string();
-      return ddp::launch(lo, args).exit_code;
+      return ddp::launch(train::local_launch(o.nproc_per_node), args).exit_code;
     }
 #if defined(__CUDACC__)
     if (const char* lr = std::getenv("LOCAL_RANK")) {

@@ -61,15 +61,17 @@ std::vector<std::string> words(const std::string& line) {
   return out;
 }
 
-// The word just before `suffix` in `text` ("... port 4711 bound" -> "4711"), or "".
-std::string word_before(const std::string& text, const std::string& suffix) {
-  const auto end = text.find(suffix);
-  if (end == std::string::npos) return {};
-  const auto begin = text.find_last_of(" \n", end - 1);
-  return text.substr(begin == std::string::npos ? 0 : begin + 1, end - (begin == std::string::npos ? 0 : begin + 1));
-}
-
 bool all_digits(const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; }
+
+// N from the first "port N bound" in `text`, or "".
+std::string bound_port(const std::string& text) {
+  const auto bound = text.find(" bound");
+  if (bound == std::string::npos) return {};
+  const auto port = text.rfind("port ", bound);
+  if (port == std::string::npos) return {};
+  const std::string digits = text.substr(port + 5, bound - port - 5);
+  return all_digits(digits) ? digits : std::string{};
+}
 
 // "ddprun: rank R (local L, pid P) exited with code 1" with R, L in {0, 1}.
 bool is_rank_exit_line(const std::string& line) {
@@ -206,7 +208,7 @@ TEST_CASE("ddprun --standalone: two concurrent launches get different ports") {
   CHECK(a.wait(30s) == 0);
   CHECK(b.wait(30s) == 0);
   INFO("a: " << a.out_text << a.err_text << "b: " << b.out_text << b.err_text);
-  const std::string port_a = word_before(a.out_text, " bound"), port_b = word_before(b.out_text, " bound");
+  const std::string port_a = bound_port(a.out_text), port_b = bound_port(b.out_text);
   REQUIRE(!port_a.empty());
   REQUIRE(!port_b.empty());
   CHECK(port_a != port_b);
