@@ -214,7 +214,9 @@ class shm_group {
         const auto now = clock::now();
         if (now - last_check >= std::chrono::milliseconds(1)) {
           last_check = now;
-          if (watch_.first_dead()) fail_now(fail);
+          // A peer may satisfy the wait and exit between ready() and this check: a dead
+          // peer writes nothing more, so ready() after seeing it is the final answer.
+          if (watch_.first_dead() && !ready()) fail_now(fail);
         }
         if (now - start >= policy_.yield) break;
         if (!dl.is_never() && now >= dl.time_point()) fail_timeout(ready, fail, start);
@@ -237,7 +239,7 @@ class shm_group {
       }
       job_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if (done || ready()) return;
-      if (aborted() || watch_.first_dead()) fail_now(fail);
+      if (aborted() || (watch_.first_dead() && !ready())) fail_now(fail);
       if (dl.expired()) fail_timeout(ready, fail, start);
     }
   }
