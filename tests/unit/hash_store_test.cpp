@@ -6,6 +6,7 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -103,6 +104,16 @@ TEMPLATE_TEST_CASE("store contract: add counts from a missing key, goes negative
   CHECK(e.code() == ddp::errc::invalid_argument);
   CHECK_THAT(e.what(), Catch::Contains("'text'") && Catch::Contains("integer"));
   CHECK(s->get_string("text") == "hello");  // unchanged
+}
+
+TEMPLATE_TEST_CASE("store contract: add wraps at the int64 limits, the same in every store", "[store]", STORE_TYPES) {
+  TestType fx;
+  auto s = fx.open();
+  constexpr auto max = std::numeric_limits<std::int64_t>::max(), min = std::numeric_limits<std::int64_t>::min();
+  CHECK(s->add("c", max) == max);
+  CHECK(s->add("c", 1) == min);  // two's complement: max + 1 == min
+  CHECK(s->get_string("c") == std::to_string(min));
+  CHECK(s->add("c", -1) == max);
 }
 
 TEMPLATE_TEST_CASE("store contract: compare_set corner cases", "[store]", STORE_TYPES) {

@@ -35,7 +35,7 @@ class hash_store final : public store {
     {
       std::lock_guard lock(mutex_);
       auto& value = data_[key];
-      result = parse_counter(value, key) + delta;
+      result = wrapping_add(parse_counter(value, key), delta);
       value = to_bytes(std::to_string(result));
     }
     changed_.notify_all();

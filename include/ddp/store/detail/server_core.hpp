@@ -258,8 +258,7 @@ class server_core {
           respond(id, status::invalid_argument, std::as_bytes(std::span(m.data(), m.size())));
           return;
         }
-        // Wrap like the two's-complement hardware would rather than invoke undefined behaviour.
-        const auto result = static_cast<std::int64_t>(static_cast<std::uint64_t>(current) + static_cast<std::uint64_t>(req.delta));
+        const auto result = wrapping_add(current, req.delta);
         value = to_bytes(std::to_string(result));
         std::vector<std::byte> out;
         put_le(out, result);
