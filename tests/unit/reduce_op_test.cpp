@@ -97,6 +97,17 @@ TEST_CASE("uint8 arithmetic wraps modulo 256") {
   CHECK(reduce(xs, ddp::sum{}) == 64);
 }
 
+TEST_CASE("signed integers wrap in two's complement, as torch's integer tensors do") {
+  constexpr auto imax = std::numeric_limits<std::int32_t>::max(), imin = std::numeric_limits<std::int32_t>::min();
+  CHECK(ddp::sum{}(imax, std::int32_t{1}) == imin);
+  CHECK(ddp::avg{}(imin, std::int32_t{-1}) == imax);
+  CHECK(ddp::prod{}(std::int32_t{65536}, std::int32_t{65536}) == 0);  // 2^32 mod 2^32
+  CHECK(ddp::prod{}(std::int32_t{65537}, std::int32_t{65537}) == 131073);  // 2^32 + 2^17 + 1 mod 2^32
+  constexpr auto lmax = std::numeric_limits<std::int64_t>::max(), lmin = std::numeric_limits<std::int64_t>::min();
+  CHECK(ddp::sum{}(lmax, std::int64_t{1}) == lmin);
+  CHECK(ddp::prod{}(lmin, std::int64_t{-1}) == lmin);
+}
+
 TEST_CASE("half-precision values reduce in float32 and round once") {
   // 2048 + 1 + 1 in float16: pairwise in float16 would stay at 2048 (2049 rounds to even);
   // accumulating in float gives 2050, which float16 represents.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <concepts>
 #include <string_view>
+#include <type_traits>
 
 #include "ddp/core/dtype.hpp"
 
@@ -37,16 +38,37 @@ struct reduce_op_base {
     return value;
   }
 };
+
+// Signed integers wrap on overflow (two's complement, as torch's integer tensors do) instead of
+// the undefined behaviour of a signed overflow; the unsigned arithmetic vectorizes the same.
+template <class T>
+constexpr T wrapping_plus(T a, T b) noexcept {
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return static_cast<T>(a + b);
+  }
+}
+template <class T>
+constexpr T wrapping_times(T a, T b) noexcept {
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return static_cast<T>(a * b);
+  }
+}
 }  // namespace detail
 
 struct sum : detail::reduce_op_base<reduce_kind::sum> {
   template <class T>
-  constexpr T operator()(T a, T b) const noexcept { return static_cast<T>(a + b); }
+  constexpr T operator()(T a, T b) const noexcept { return detail::wrapping_plus(a, b); }
 };
 
 struct avg : detail::reduce_op_base<reduce_kind::avg> {
   template <class T>
-  constexpr T operator()(T a, T b) const noexcept { return static_cast<T>(a + b); }
+  constexpr T operator()(T a, T b) const noexcept { return detail::wrapping_plus(a, b); }
   /// Integers divide with truncation toward zero, like torch's integer division of a sum.
   template <class T>
   constexpr T finish(T value, int contributions) const noexcept { return static_cast<T>(value / static_cast<T>(contributions)); }
@@ -64,7 +86,7 @@ struct max : detail::reduce_op_base<reduce_kind::max> {
 
 struct prod : detail::reduce_op_base<reduce_kind::prod> {
   template <class T>
-  constexpr T operator()(T a, T b) const noexcept { return static_cast<T>(a * b); }
+  constexpr T operator()(T a, T b) const noexcept { return detail::wrapping_times(a, b); }
 };
 
 /// A reduce operation: a function object with a kind, usable on every dtype's accumulation type.
