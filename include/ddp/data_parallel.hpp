@@ -744,6 +744,8 @@ class distributed_data_parallel {
 
   void launch(bucket& b) {
     if (b.info.bytes == 0) return;  // same decision on every rank: shapes were checked
+    // The average over one rank is the gradient itself; hooks still run (they may keep state).
+    if (!hook_ && group_->size() == 1) return;
     if (b.work) {
       // Left in flight by a step that failed (e.g. a finish() deadline): it may still write here.
       auto stale = std::exchange(b.work, detail::any_work{});
