@@ -22,36 +22,11 @@
 
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
+#include "ddp/detail/unique_fd.hpp"
 
 namespace ddp::detail::tcp {
 
-/// Owns one file descriptor; closes it on destruction.
-class unique_fd {
- public:
-  unique_fd() noexcept = default;
-  explicit unique_fd(int fd) noexcept : fd_(fd) {}
-  unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  unique_fd& operator=(unique_fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  unique_fd(const unique_fd&) = delete;
-  unique_fd& operator=(const unique_fd&) = delete;
-  ~unique_fd() { reset(); }
-
-  int get() const noexcept { return fd_; }
-  explicit operator bool() const noexcept { return fd_ >= 0; }
-  void reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
+using ddp::detail::unique_fd;
 
 struct host_port {
   std::string host;
