@@ -181,8 +181,12 @@ class ring_backend {
       const std::string hier = s_->options.prefix + "/hier/";
       std::unique_ptr<algo::shm_communicator> local;
       if (on.size() > 1) {
+        // A non-leader's wait for the broadcast spans its leader's whole inter-host ring: spin
+        // briefly, then yield the core (to the leader, when they share one) instead of spinning.
+        auto so = s_->options.shm;
+        so.wait.spin = std::min(so.wait.spin, so.wait.spin_oversubscribed);
         local = std::make_unique<algo::shm_communicator>(*s_->store, hier + "host" + std::to_string(host) + "/", local_rank,
-                                                         static_cast<int>(on.size()), setup, s_->options.shm);
+                                                         static_cast<int>(on.size()), setup, so);
       }
       std::unique_ptr<tcp_comm> leaders;
       if (local_rank == 0) {
