@@ -60,7 +60,10 @@ for i in $(seq 0 $((hosts - 1))); do
   ip -n "$ns" addr add "10.231.9.$((i + 1))/24" dev "${tag}v$i"
   ip -n "$ns" link set "${tag}v$i" up
   ip -n "$ns" link set lo up
-  if [ -n "$delay" ]; then ip netns exec "$ns" tc qdisc add dev "${tag}v$i" root netem delay "$delay"; fi
+  if [ -n "$delay" ] && ! ip netns exec "$ns" tc qdisc add dev "${tag}v$i" root netem delay "$delay"; then
+    echo "bench/netns/run.sh: DELAY=$delay needs tc netem (kernel module sch_netem), which is not available here" >&2
+    exit 77
+  fi
 done
 master=10.231.9.1
 port=$((20000 + $$ % 20000))
