@@ -6,26 +6,41 @@
 // Transport choice (ring_options::transport):
 //   automatic  every rank publishes its host identity (hostname + /proc/sys/kernel/random/boot_id,
 //              so two containers or VMs that share a hostname are told apart) in the store; all on
-//              one host -> shared memory, otherwise TCP (a hierarchical shm + tcp mix is future work);
-//   shm, tcp   forced (shm among ranks of different hosts is errc::config).
+//              one host -> shared memory, otherwise TCP, flat or hierarchical (below);
+//   shm, tcp   forced (shm among ranks of different hosts is errc::config; tcp is always flat).
+// Hierarchy (ring_options::hierarchy, with transport automatic on several hosts):
+//   automatic     hierarchical when every host has at least 2 ranks, flat otherwise;
+//   flat          one TCP ring over all ranks;
+//   hierarchical  all_reduce reduces within each host over shared memory, runs a TCP ring among
+//                 one leader per host, and broadcasts within each host (algorithms/hierarchical.hpp);
+//                 the other collectives use the flat TCP communicator.
+//   The environment variable DDP_RING_HIERARCHY=auto|flat|hierarchical overrides `automatic`
+//   (an explicit option wins). Every rank must make the same choice: ranks that disagree fail
+//   with errc::config at construction, naming both choices.
+// ring_options::host_identity replaces this rank's host identity in that exchange (empty: the
+// real one, ddp::host_identity()): a testing hook that lets one machine pose as several hosts.
 // A world of one needs no store (and does no communication).
 //
 // Over TCP the collectives are ddp::algo::ring_communicator<tcp_transport>; on shared memory
-// ddp::algo::shm_communicator (direct algorithms, zero copy on group-allocated buffers).
+// ddp::algo::shm_communicator (direct algorithms, zero copy on group-allocated buffers);
+// hierarchical: ddp::algo::hierarchical_communicator over both.
 // allocate<T>(n) returns a ring_buffer<T>: a shared_buffer every same-host rank can address
-// when on shared memory (a collective call: every rank allocates, in the same order), an
-// ordinary heap buffer with the same interface over TCP.
+// when on shared memory or hierarchical (a collective call: every rank allocates, in the same
+// order), an ordinary heap buffer with the same interface over flat TCP.
 //
 // Sub-groups: split(ranks, tag) builds a ring_backend over the member ranks (same store, key
 // prefix <prefix>/<tag>), which is what process_group::new_group calls.
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -33,6 +48,7 @@
 #include <variant>
 #include <vector>
 
+#include "ddp/algorithms/hierarchical.hpp"
 #include "ddp/algorithms/ring_communicator.hpp"
 #include "ddp/algorithms/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
@@ -52,7 +68,10 @@ namespace ddp {
 
 struct ring_options {
   enum class transport_kind : std::uint8_t { automatic, shm, tcp };
+  enum class hierarchy_kind : std::uint8_t { automatic, flat, hierarchical };
   transport_kind transport = transport_kind::automatic;
+  hierarchy_kind hierarchy = hierarchy_kind::automatic;   // on several hosts; DDP_RING_HIERARCHY when automatic
+  std::string host_identity;                               // testing: this rank's host identity (empty: the real one)
   algo::algorithm_choice algorithm = algo::algorithm_choice::automatic;  // all_reduce / reduce: by size, or forced
   std::size_t small_message_bytes = std::size_t{16} << 10;
   std::string prefix = "ddp";                              // store key prefix of this backend
@@ -99,6 +118,25 @@ constexpr std::string_view to_string(ring_options::transport_kind t) noexcept {
   return "unknown";
 }
 
+constexpr std::string_view to_string(ring_options::hierarchy_kind h) noexcept {
+  switch (h) {
+    case ring_options::hierarchy_kind::automatic: return "auto";
+    case ring_options::hierarchy_kind::flat: return "flat";
+    case ring_options::hierarchy_kind::hierarchical: return "hierarchical";
+  }
+  return "unknown";
+}
+
+/// DDP_RING_HIERARCHY: unset or empty -> automatic; auto, flat, hierarchical; anything else is errc::config.
+inline ring_options::hierarchy_kind hierarchy_from_environment(const char* value = std::getenv("DDP_RING_HIERARCHY")) {
+  using h = ring_options::hierarchy_kind;
+  if (value == nullptr || *value == '\0') return h::automatic;
+  const std::string_view v(value);
+  for (auto k : {h::automatic, h::flat, h::hierarchical})
+    if (v == to_string(k)) return k;
+  throw error(errc::config, "DDP_RING_HIERARCHY='" + std::string(v) + "': expected auto, flat or hierarchical");
+}
+
 class ring_backend {
  public:
   static constexpr memory_space memory = memory_space::host;
@@ -121,26 +159,69 @@ class ring_backend {
     s_->size = size;
     s_->options = std::move(opts);
     const auto setup = deadline::after(s_->options.timeout);
-    s_->on_shm = decide_shm(setup);
+    const auto layout = decide(setup);
     algo::ring_communicator_options co;
     co.algorithm = s_->options.algorithm;
     co.small_message_bytes = s_->options.small_message_bytes;
     co.failure_store = s_->store.get();
     co.failure_prefix = s_->options.prefix;
+    tcp_options to = s_->options.tcp;
+    to.timeout = s_->options.timeout;
     if (s_->on_shm) {
       s_->shm = std::make_unique<algo::shm_communicator>(*s_->store, s_->options.prefix + "/shm/", rank, size, setup, s_->options.shm);
-    } else {
-      tcp_options to = s_->options.tcp;
-      to.timeout = s_->options.timeout;
+    } else if (!layout) {
       s_->tcp = std::make_unique<tcp_comm>(tcp_transport(*s_->store, rank, size, s_->options.prefix + "/tcp", to), co);
+    } else {
+      // Built in the same order on every rank: the flat mesh (all ranks), this host's shared
+      // memory (its ranks), the leaders' mesh (leaders only); no rank waits on a later step.
+      auto flat = std::make_unique<tcp_comm>(tcp_transport(*s_->store, rank, size, s_->options.prefix + "/tcp", to), co);
+      const int host = layout->host_of[static_cast<std::size_t>(rank)];
+      const auto on = layout->ranks_on(host);
+      const int local_rank = layout->local_rank(rank);
+      const std::string hier = s_->options.prefix + "/hier/";
+      std::unique_ptr<algo::shm_communicator> local;
+      if (on.size() > 1) {
+        // A non-leader's wait for the broadcast spans its leader's whole inter-host ring: spin
+        // briefly, then yield the core (to the leader, when they share one) instead of spinning.
+        auto so = s_->options.shm;
+        so.wait.spin = std::min(so.wait.spin, so.wait.spin_oversubscribed);
+        local = std::make_unique<algo::shm_communicator>(*s_->store, hier + "host" + std::to_string(host) + "/", local_rank,
+                                                         static_cast<int>(on.size()), setup, so);
+      }
+      std::unique_ptr<tcp_comm> leaders;
+      if (local_rank == 0) {
+        algo::ring_communicator_options lo = co;
+        lo.failure_prefix = hier + "leaders";
+        leaders = std::make_unique<tcp_comm>(tcp_transport(*s_->store, host, layout->hosts, hier + "leaders", to), lo);
+      }
+      s_->hier = std::make_unique<hier_comm>(std::move(flat), std::move(local), std::move(leaders), *layout,
+                                             hier_comm::options{.failure_store = s_->store.get(), .leaders_failure_prefix = hier + "leaders"});
     }
   }
 
   int rank() const noexcept { return s_->rank; }
   int size() const noexcept { return s_->size; }
-  /// "shm" or "tcp": what the collectives run over.
-  std::string_view transport_name() const noexcept { return s_->on_shm ? "shm" : "tcp"; }
+  /// "shm", "tcp" or "shm+tcp" (hierarchical): what the collectives run over.
+  std::string_view transport_name() const noexcept { return s_->on_shm ? "shm" : s_->hier ? "shm+tcp" : "tcp"; }
   bool on_shared_memory() const noexcept { return s_->on_shm; }
+  /// Whether all_reduce is hierarchical (shared memory within hosts, a TCP ring among leaders).
+  bool hierarchical() const noexcept { return s_->hier != nullptr; }
+  /// The number of hosts the ranks run on (1 on shared memory; 0 when forced to tcp, which does not look).
+  int hosts() const noexcept { return s_->hosts; }
+  /// Payload bytes this rank has sent over TCP so far (the flat mesh and, on a leader, the
+  /// leaders' mesh); 0 on shared memory. For tests and benchmarks of the traffic.
+  std::uint64_t tcp_bytes_sent() const noexcept {
+    if (s_->tcp) return s_->tcp->transport().total_bytes_sent();
+    if (!s_->hier) return 0;
+    std::uint64_t n = s_->hier->flat().transport().total_bytes_sent();
+    if (auto* l = s_->hier->leaders()) n += l->transport().total_bytes_sent();
+    return n;
+  }
+  /// Of which over the leaders' mesh (hierarchical, on a leader; 0 otherwise).
+  std::uint64_t inter_host_leader_bytes_sent() const noexcept {
+    if (!s_->hier || s_->hier->leaders() == nullptr) return 0;
+    return s_->hier->leaders()->transport().total_bytes_sent();
+  }
   const ring_options& options() const noexcept { return s_->options; }
 
   // --- the extended interface (process_group passes its fingerprint and deadline) ------------
@@ -220,6 +301,8 @@ class ring_backend {
   template <dtype_like T>
   ring_buffer<T> allocate(std::size_t n) {
     if (s_->shm) return ring_buffer<T>(s_->shm->template allocate<T>(n, deadline::after(s_->options.timeout)));
+    if (s_->hier && s_->hier->local() != nullptr)
+      return ring_buffer<T>(s_->hier->local()->template allocate<T>(n, deadline::after(s_->options.timeout)));
     return ring_buffer<T>(n);
   }
 
@@ -227,6 +310,7 @@ class ring_backend {
   void abort() noexcept {
     if (s_->shm) s_->shm->abort();
     if (s_->tcp) s_->tcp->abort();
+    if (s_->hier) s_->hier->abort();
   }
 
   /// A backend over `ranks` (sorted, containing this rank), keys under <prefix>/<tag>.
@@ -246,6 +330,7 @@ class ring_backend {
 
  private:
   using tcp_comm = algo::ring_communicator<tcp_transport>;
+  using hier_comm = algo::hierarchical_communicator<tcp_comm, tcp_comm>;
 
   struct state {
     std::shared_ptr<store::store> store;
@@ -253,14 +338,17 @@ class ring_backend {
     int size = 1;
     ring_options options;
     bool on_shm = false;
+    int hosts = 0;
     std::unique_ptr<algo::shm_communicator> shm;
     std::unique_ptr<tcp_comm> tcp;
+    std::unique_ptr<hier_comm> hier;
     std::uint64_t plain_seq = 0;
   };
 
   template <class F>
   void with(F&& f) {
     if (s_->shm) f(*s_->shm);
+    else if (s_->hier) f(*s_->hier);
     else f(*s_->tcp);
   }
 
@@ -270,36 +358,59 @@ class ring_backend {
   }
   deadline plain_deadline() const { return deadline::after(s_->options.timeout); }
 
-  bool decide_shm(deadline setup) {
+  // Sets on_shm and hosts; returns the host layout when all_reduce is to be hierarchical.
+  std::optional<algo::host_layout> decide(deadline setup) {
     using kind = ring_options::transport_kind;
+    using hier = ring_options::hierarchy_kind;
     const auto choice = s_->options.transport;
-    if (s_->size == 1) return choice != kind::tcp;
-    if (choice == kind::tcp) return false;
-    // Every rank publishes where it runs; all on this host -> shared memory.
+    auto hierarchy = s_->options.hierarchy;
+    const error_context here{.rank = s_->rank, .op = "ring_backend"};
+    if (hierarchy == hier::hierarchical && choice != kind::automatic) {
+      throw error(errc::config, "hierarchy 'hierarchical' needs transport 'auto' (it mixes shm and tcp), not '" + std::string(to_string(choice)) + "'",
+                  here);
+    }
+    if (s_->size == 1) {
+      s_->hosts = 1;
+      s_->on_shm = choice != kind::tcp;
+      return std::nullopt;
+    }
+    if (choice == kind::tcp) return std::nullopt;
+    if (hierarchy == hier::automatic && choice == kind::automatic) hierarchy = hierarchy_from_environment();
+    // Every rank publishes its choice and where it runs: "<choice> <host identity>".
     auto& st = *s_->store;
     const std::string key = s_->options.prefix + "/host/";
-    const std::string mine = host_identity();
-    st.set_string(key + std::to_string(s_->rank), mine);
+    const std::string mine = s_->options.host_identity.empty() ? ddp::host_identity() : s_->options.host_identity;
+    st.set_string(key + std::to_string(s_->rank), std::string(to_string(hierarchy)) + " " + mine);
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(key + std::to_string(r));
     st.wait(keys, setup.remaining());
-    int other = -1;
-    std::string theirs;
-    for (int r = 0; r < s_->size && other < 0; ++r) {
-      std::string id = st.get_string(keys[static_cast<std::size_t>(r)]);
-      if (id != mine) {
-        other = r;
-        theirs = std::move(id);
+    std::vector<std::string> ids;
+    for (int r = 0; r < s_->size; ++r) {
+      std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);
+      const auto space = v.find(' ');
+      const std::string theirs = v.substr(0, space == std::string::npos ? v.size() : space);
+      if (theirs != to_string(hierarchy)) {
+        throw error(errc::config, "ranks disagree on the hierarchy: rank " + std::to_string(r) + " chose '" + theirs + "', this rank '" +
+                                      std::string(to_string(hierarchy)) + "' (ring_options::hierarchy or DDP_RING_HIERARCHY)", here);
       }
+      ids.push_back(space == std::string::npos ? std::string() : v.substr(space + 1));
     }
-    if (other < 0) return true;
+    auto layout = algo::host_layout::from_identities(ids);
+    s_->hosts = layout.hosts;
+    if (layout.hosts == 1) {
+      s_->on_shm = true;
+      return std::nullopt;
+    }
     if (choice == kind::shm) {
+      const auto other = std::find_if(ids.begin(), ids.end(), [&](const std::string& id) { return id != mine; });
       throw error(errc::config,
-                  "transport 'shm' needs every rank on one host, but rank " + std::to_string(other) + " runs on '" + theirs +
+                  "transport 'shm' needs every rank on one host, but rank " + std::to_string(other - ids.begin()) + " runs on '" + *other +
                       "' and this rank on '" + mine + "' (use 'ring' or 'tcp')",
-                  {.rank = s_->rank, .op = "ring_backend"});
+                  here);
     }
-    return false;
+    const bool hierarchical = hierarchy == hier::hierarchical || (hierarchy == hier::automatic && layout.worth_a_hierarchy());
+    if (!hierarchical) return std::nullopt;
+    return layout;
   }
 
   // On the heap so the backend is movable (communicators hold atomics and are not).
