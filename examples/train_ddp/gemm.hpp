@@ -60,7 +60,10 @@ struct exact_gemm_kernel {
 // still runs its own fma chain over p = 0..k-1 in order, so the bits are those of the kernel.
 // The FMA clone makes fmaf one instruction (the default clone calls libm's, which is exact too);
 // without it each fmaf is a library call and this GEMM dominates the tutorial's step time.
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+// Not when -mfma already applies, nor under the sanitizers: the clones' ifunc resolver runs
+// while the dynamic loader relocates, before a sanitizer's runtime is up, and crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(__FMA__) && !defined(__SANITIZE_THREAD__) && \
+    !defined(__SANITIZE_ADDRESS__)
 #define TRAIN_FMA_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define TRAIN_FMA_CLONES
