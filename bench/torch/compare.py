@@ -43,7 +43,7 @@ def parse():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--jobs", default=",".join(JOBS))
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "training"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "train"))
     return p.parse_args()
 
 

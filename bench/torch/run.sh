@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # train_ddp against PyTorch DDP (gloo, CPU), side by side: installs PyTorch from PyPI into a
 # virtual environment when no torchrun is found (TORCH_VENV, default build/torch-venv; a few GB),
-# builds train_ddp and ddprun, then runs compare.py. Writes bench/results/training.{md,csv,png}.
+# builds train_ddp and ddprun, then runs compare.py. Writes bench/results/train.{md,csv,png}.
 #   REPS=5 bench/torch/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,4 +33,4 @@ python=$(head -1 "$torchrun" | sed 's/^#!//')   # the interpreter that has torch
 cmake --build "$build" -j2 --target train_ddp ddprun >/dev/null
 mkdir -p "$root/bench/results"
 exec "$python" "$here/compare.py" --torchrun "$torchrun" --build "$build" --reps "${REPS:-5}" \
-     --out "$root/bench/results/training" "$@"
+     --out "$root/bench/results/train" "$@"
