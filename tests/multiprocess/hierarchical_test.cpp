@@ -351,8 +351,10 @@ TEST_CASE("hierarchical: a rank that does not arrive fails the others at the gro
         ddp::process_group<ddp::ring_backend> g(make_backend(file.path, rank, host_of), {.timeout = 1s});
         std::vector<float> v(100000, 1.0f);
         g.all_reduce(v);
+        ddp::store::file_store notes(file.path);
         if (rank == 1) {
-          ::usleep(4000000);  // late: the others give up at their 1 s deadline
+          // Late: stays away until every other rank has given up (an event, bounded by 20 s).
+          notes.wait({"test/gave_up/0", "test/gave_up/2", "test/gave_up/3"}, std::chrono::milliseconds(20000));
           ::_exit(0);
         }
         const auto start = std::chrono::steady_clock::now();
@@ -367,6 +369,7 @@ TEST_CASE("hierarchical: a rank that does not arrive fails the others at the gro
           check(took >= 900ms || e.code() == ddp::errc::peer_lost, "not before the deadline");
           check(took < 3s, "soon after the deadline");
         }
+        notes.set_string("test/gave_up/" + std::to_string(rank), "1");
       },
       60s);
   INFO(result.describe());
