@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/reduce_op.hpp"  // detail::wrapping_plus: add() wraps like the sum op
 #include "ddp/store/detail/bytes.hpp"
 #include "ddp/store/store.hpp"
 
@@ -79,7 +80,7 @@ class file_store final : public store {
     file_lock lock(*this, LOCK_EX, "store.add");
     refresh("store.add");
     const auto it = data_.find(key);
-    const std::int64_t result = wrapping_add(it == data_.end() ? 0 : parse_counter(it->second, key), delta);
+    const std::int64_t result = ddp::detail::wrapping_plus(it == data_.end() ? std::int64_t{0} : parse_counter(it->second, key), delta);
     const auto text = std::to_string(result);
     append(record_set, key, std::as_bytes(std::span(text.data(), text.size())), "store.add");
     return result;

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "ddp/core/reduce_op.hpp"  // detail::wrapping_plus: add() wraps like the sum op
 #include "ddp/store/store.hpp"
 
 namespace ddp::store {
@@ -35,7 +36,7 @@ class hash_store final : public store {
     {
       std::lock_guard lock(mutex_);
       auto& value = data_[key];
-      result = wrapping_add(parse_counter(value, key), delta);
+      result = ddp::detail::wrapping_plus(parse_counter(value, key), delta);
       value = to_bytes(std::to_string(result));
     }
     changed_.notify_all();

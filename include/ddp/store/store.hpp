@@ -87,12 +87,6 @@ inline std::int64_t parse_counter(std::span<const std::byte> value, const std::s
   return n;
 }
 
-/// counter + delta, wrapping like two's-complement hardware (no signed-overflow UB): what
-/// every store's add() returns, so they agree at the limits too.
-inline std::int64_t wrapping_add(std::int64_t counter, std::int64_t delta) noexcept {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(counter) + static_cast<std::uint64_t>(delta));
-}
-
 inline std::vector<std::byte> to_bytes(std::string_view text) {
   const auto* p = reinterpret_cast<const std::byte*>(text.data());
   return std::vector<std::byte>(p, p + text.size());

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ddp/core/deadline.hpp"
+#include "ddp/core/reduce_op.hpp"  // detail::wrapping_plus: add() wraps like the sum op
 #include "ddp/store/detail/frame.hpp"
 #include "ddp/store/detail/hmac_sha256.hpp"
 
@@ -258,7 +259,7 @@ class server_core {
           respond(id, status::invalid_argument, std::as_bytes(std::span(m.data(), m.size())));
           return;
         }
-        const auto result = wrapping_add(current, req.delta);
+        const auto result = ddp::detail::wrapping_plus(current, req.delta);
         value = to_bytes(std::to_string(result));
         std::vector<std::byte> out;
         put_le(out, result);
