@@ -35,36 +35,17 @@ bench=$(find "$build" -name ddp_bench_netns_allreduce -type f -perm -u+x | head 
 [ -x "$ddprun" ] && [ -x "$bench" ] || { echo "ddprun or ddp_bench_netns_allreduce not found in $build" >&2; exit 1; }
 
 tag=ddpb$$
-switch=${tag}sw
 work=$(mktemp -d)
-cleanup() {
-  for i in $(seq 0 $((hosts - 1))); do
-    ip netns pids "${tag}h$i" 2>/dev/null | xargs -r kill -9 2>/dev/null
-    ip netns del "${tag}h$i" 2>/dev/null
-  done
-  ip netns del "$switch" 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=../../tests/netns/topology.sh
+. "$root/tests/netns/topology.sh"
+trap netns_cleanup EXIT
 trap 'exit 130' INT TERM
-ip netns add "$switch" || { echo "cannot create network namespaces here" >&2; exit 77; }
-ip -n "$switch" link add br0 type bridge
-ip -n "$switch" link set br0 up
-for i in $(seq 0 $((hosts - 1))); do
-  ns=${tag}h$i
-  ip netns add "$ns"
-  ip link add "${tag}v$i" type veth peer name "${tag}p$i"
-  ip link set "${tag}v$i" netns "$ns"
-  ip link set "${tag}p$i" netns "$switch"
-  ip -n "$switch" link set "${tag}p$i" master br0 up
-  ip -n "$ns" addr add "10.231.9.$((i + 1))/24" dev "${tag}v$i"
-  ip -n "$ns" link set "${tag}v$i" up
-  ip -n "$ns" link set lo up
-  if [ -n "$delay" ] && ! ip netns exec "$ns" tc qdisc add dev "${tag}v$i" root netem delay "$delay"; then
-    echo "bench/netns/run.sh: DELAY=$delay needs tc netem (kernel module sch_netem), which is not available here" >&2
-    exit 77
-  fi
-done
+netns_create 10.231.9 "$delay"
+case $? in
+  0) ;;
+  2) echo "cannot create network namespaces here" >&2; exit 77 ;;
+  *) echo "bench/netns/run.sh: DELAY=$delay needs tc netem (kernel module sch_netem), which is not available here" >&2; exit 77 ;;
+esac
 master=10.231.9.1
 port=$((20000 + $$ % 20000))
 

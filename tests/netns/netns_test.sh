@@ -20,32 +20,16 @@ command -v ip >/dev/null || skip "iproute2 (ip) is not installed"
 command -v unshare >/dev/null || skip "unshare (util-linux) is not installed"
 
 tag=ddp$$
-switch=${tag}sw
-cleanup() {
-  for i in $(seq 0 $((hosts - 1))); do
-    ip netns pids "${tag}h$i" 2>/dev/null | xargs -r kill -9 2>/dev/null
-    ip netns del "${tag}h$i" 2>/dev/null
-  done
-  ip netns del "$switch" 2>/dev/null
-  rm -rf "$work"
-}
 work=$(mktemp -d)
-trap cleanup EXIT
-ip netns add "$switch" || skip "cannot create network namespaces here"
-ip -n "$switch" link add br0 type bridge
-ip -n "$switch" link set br0 up
-for i in $(seq 0 $((hosts - 1))); do
-  ns=${tag}h$i
-  ip netns add "$ns"
-  ip link add "${tag}v$i" type veth peer name "${tag}p$i"
-  ip link set "${tag}v$i" netns "$ns"
-  ip link set "${tag}p$i" netns "$switch"
-  ip -n "$switch" link set "${tag}p$i" master br0 up
-  ip -n "$ns" addr add "10.231.7.$((i + 1))/24" dev "${tag}v$i"
-  ip -n "$ns" link set "${tag}v$i" up
-  ip -n "$ns" link set lo up
-  if [ -n "${NETNS_DELAY:-}" ]; then ip netns exec "$ns" tc qdisc add dev "${tag}v$i" root netem delay "$NETNS_DELAY"; fi
-done
+# shellcheck source=topology.sh
+. "$(dirname "$0")/topology.sh"
+trap netns_cleanup EXIT
+netns_create 10.231.7 "${NETNS_DELAY:-}"
+case $? in
+  0) ;;
+  2) skip "cannot create network namespaces here" ;;
+  *) echo "FAILED: tc netem delay ${NETNS_DELAY:-} could not be set" >&2; exit 1 ;;
+esac
 master=10.231.7.1
 port=$((20000 + $$ % 20000))
 
