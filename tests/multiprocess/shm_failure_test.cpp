@@ -2,19 +2,23 @@
 // it on every survivor within 2 s (measured), with nothing left in /dev/shm; mismatched calls are
 // errc::mismatch on every rank; deadlines are errc::timeout; abort() unblocks; no descriptor leaks.
 #include <dirent.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ddp/algorithms/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
+#include "ddp/transport/shm.hpp"
 #include "support/multiprocess.hpp"
 
 using namespace std::chrono_literals;
@@ -315,4 +319,58 @@ TEST_CASE("shm failure: a communicator with shared buffers leaves no descriptor 
   INFO(run.describe());
   CHECK(run.ok());
   CHECK(shm_entries("shmfd" + std::to_string(::getpid()) + "_").empty());
+}
+
+// Waits (up to `limit`) until process `pid` has exited; false when it is still running then.
+bool exited_within(pid_t pid, std::chrono::milliseconds limit) {
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return errno == ESRCH;  // already reaped
+  pollfd p{fd, POLLIN, 0};
+  const int n = ::poll(&p, 1, static_cast<int>(limit.count()));
+  ::close(fd);
+  return n == 1;
+}
+
+TEST_CASE("shm failure: a peer that finished its part and exited is no failure for a wait on another peer") {
+  // Rank 0 sends to rank 1 and exits normally; rank 2 sends to rank 1 only after rank 0 is gone, so
+  // rank 1 waits on rank 2 while rank 0 is dead. Liveness is checked every 100 us (no spinning).
+  const std::string path = "/tmp/ddp-shmdone-" + std::to_string(::getpid()) + ".store";
+  const std::string prefix = "shmdone" + std::to_string(::getpid()) + "/";
+  ::unlink(path.c_str());
+  const auto run = ddp::test::run_ranks(
+      3,
+      [&](int rank) {
+        ddp::store::file_store st(path);
+        ddp::shm_transport::options opts;
+        opts.ring_bytes = std::size_t{1} << 16;
+        opts.wait = {.spin = 0ns, .spin_oversubscribed = 0ns, .yield = 0ns, .slice = 100us};
+        ddp::shm_transport t(st, prefix, rank, 3, ddp::deadline::after(20s), opts);
+        std::byte word[4] = {};
+        if (rank == 0) {
+          st.set_string("pid0", std::to_string(::getpid()));
+          std::memcpy(word, "zero", 4);
+          t.send(1, word, ddp::deadline::after(20s));
+          return;
+        }
+        if (rank == 2) {
+          st.wait({"rank1 waits on rank2"}, 20s);
+          check(exited_within(static_cast<pid_t>(std::stoi(st.get_string("pid0"))), 20000ms), "rank 0 did not exit");
+          // Not synchronization (the outcome must not depend on it): it gives rank 1 ~200 liveness
+          // checks with rank 0 dead, so a wait that counted every dead peer would fail here.
+          std::this_thread::sleep_for(20ms);
+          std::memcpy(word, "two!", 4);
+          t.send(1, word, ddp::deadline::after(20s));
+          return;
+        }
+        t.recv(0, word, ddp::deadline::after(20s));
+        check(std::memcmp(word, "zero", 4) == 0, "wrong bytes from rank 0");
+        st.set_string("rank1 waits on rank2", "1");
+        t.recv(2, word, ddp::deadline::after(20s));
+        check(std::memcmp(word, "two!", 4) == 0, "wrong bytes from rank 2");
+      },
+      60s);
+  ::unlink(path.c_str());
+  INFO(run.describe());
+  CHECK(run.ok());
+  CHECK(shm_entries(prefix.substr(0, prefix.size() - 1) + "_").empty());
 }

@@ -478,11 +478,13 @@ class shm_communicator {
     group_.notify();
   }
 
-  template <class Ready, class Why>
-  void wait(Ready&& ready, const collective_desc& d, deadline dl, Why&& why) {
-    group_.wait(ready, dl, [&](errc code, const std::string& message) {
-      throw error(code, message + " (" + why() + ")", d.context(rank_));
-    });
+  // Waits until ready(); waits_on(r): whether ready() still depends on rank r, so that only the
+  // death of such a peer fails the wait (one that did its part may finish and exit meanwhile).
+  template <class Ready, class WaitsOn, class Why>
+  void wait(Ready&& ready, WaitsOn&& waits_on, const collective_desc& d, deadline dl, Why&& why) {
+    group_.wait(
+        ready, dl, [&](errc code, const std::string& message) { throw error(code, message + " (" + why() + ")", d.context(rank_)); },
+        waits_on);
   }
 
   // "rank 2" or "ranks 1, 3": the peers for which pred holds.
@@ -506,7 +508,7 @@ class shm_communicator {
             if (next != rank_ && slot_of(next, c)->call.load(std::memory_order_acquire) != c) return false;
           return true;
         },
-        d, dl, [&] { return "waiting for " + ranks_where([&](int r) { return slot_of(r, c)->call.load() != c; }) + " to enter " + d.describe(); });
+        [&](int r) { return slot_of(r, c)->call.load(std::memory_order_acquire) != c; }, d, dl, [&] { return "waiting for " + ranks_where([&](int r) { return slot_of(r, c)->call.load() != c; }) + " to enter " + d.describe(); });
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) continue;
       wire_header h;
@@ -523,7 +525,7 @@ class shm_communicator {
   // Waits until counter i of rank r (or of every peer, r < 0) is at least v.
   void wait_counter(counter_index i, std::uint64_t v, int r, const collective_desc& d, deadline dl, const char* what) {
     if (r >= 0) {
-      wait([&] { return counter(r, i).load(std::memory_order_acquire) >= v; }, d, dl,
+      wait([&] { return counter(r, i).load(std::memory_order_acquire) >= v; }, [r](int q) { return q == r; }, d, dl,
            [&] { return std::string("waiting for rank ") + std::to_string(r) + " to " + what; });
       return;
     }
@@ -534,7 +536,7 @@ class shm_communicator {
             if (next != rank_ && counter(next, i).load(std::memory_order_acquire) < v) return false;
           return true;
         },
-        d, dl, [&] { return "waiting for " + ranks_where([&](int q) { return counter(q, i).load() < v; }) + " to " + what; });
+        [&](int q) { return counter(q, i).load(std::memory_order_acquire) < v; }, d, dl, [&] { return "waiting for " + ranks_where([&](int q) { return counter(q, i).load() < v; }) + " to " + what; });
   }
 
   void barrier_steps(const collective_desc& d, deadline dl) {

@@ -161,7 +161,8 @@ class shm_transport {
                       what += "received " + std::to_string(got) + " of " + std::to_string(in.size()) + " bytes from rank " + std::to_string(from);
                     }
                     throw error(code, why + " (" + what + ")", {.rank = rank(), .op = op});
-                  });
+                  },
+                  [&](int r) { return (sent < out.size() && r == to) || (got < in.size() && r == from); });
     }
   }
 

@@ -170,6 +170,11 @@ class shm_group {
 
   /// Why a wait cannot succeed: a dead peer or an abort; nullopt when neither.
   std::optional<std::pair<errc, std::string>> failure() const {
+    return failure([](int) { return true; });
+  }
+  /// As failure(), counting only dead peers r with waits_on(r).
+  template <class WaitsOn>
+  std::optional<std::pair<errc, std::string>> failure(WaitsOn&& waits_on) const {
     // An abort first: a peer that aborted may have exited since, and the abort is the cause.
     const std::uint32_t word = job_->aborted.load(std::memory_order_acquire);
     if (word != 0) {
@@ -182,7 +187,7 @@ class shm_group {
       if (by == rank_) return std::pair{errc::peer_lost, "the communicator was aborted on this rank"};
       return std::pair{errc::peer_lost, "peer rank " + std::to_string(by) + " (pid " + std::to_string(pid_of(by)) + ") aborted the communicator"};
     }
-    if (auto dead = watch_.first_dead()) {
+    if (auto dead = watch_.first_dead(waits_on)) {
       return std::pair{errc::peer_lost, "peer rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) + ") exited"};
     }
     return std::nullopt;
@@ -192,6 +197,12 @@ class shm_group {
   /// fail(errc, message), which must throw. ready() is called often: keep it to a few loads.
   template <class Ready, class Fail>
   void wait(Ready&& ready, deadline dl, Fail&& fail) {
+    wait(ready, dl, fail, [](int) { return true; });
+  }
+  /// As wait(), where only the ranks r with waits_on(r) can still hold up ready(): a peer that
+  /// has done its part and exited normally (the collective's last step) is no failure.
+  template <class Ready, class Fail, class WaitsOn>
+  void wait(Ready&& ready, deadline dl, Fail&& fail, WaitsOn&& waits_on) {
     if (ready()) return;
     const auto start = clock::now();
     const auto spin_for = oversubscribed_ ? policy_.spin_oversubscribed : policy_.spin;
@@ -199,7 +210,7 @@ class shm_group {
       cpu_relax();
       if (ready()) return;
       if ((i & 63u) == 0) {
-        if (aborted()) fail_now(fail);
+        if (aborted()) fail_now(fail, waits_on);
         const auto now = clock::now();
         if (now - start >= spin_for) break;
         if (!dl.is_never() && now >= dl.time_point()) fail_timeout(ready, fail, start);
@@ -210,13 +221,13 @@ class shm_group {
       ::sched_yield();
       if (ready()) return;
       if ((i & 7u) == 0) {
-        if (aborted()) fail_now(fail);
+        if (aborted()) fail_now(fail, waits_on);
         const auto now = clock::now();
         if (now - last_check >= std::chrono::milliseconds(1)) {
           last_check = now;
           // A peer may satisfy the wait and exit between ready() and this check: a dead
           // peer writes nothing more, so ready() after seeing it is the final answer.
-          if (watch_.first_dead() && !ready()) fail_now(fail);
+          if (watch_.first_dead(waits_on) && !ready()) fail_now(fail, waits_on);
         }
         if (now - start >= policy_.yield) break;
         if (!dl.is_never() && now >= dl.time_point()) fail_timeout(ready, fail, start);
@@ -239,7 +250,7 @@ class shm_group {
       }
       job_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if (done || ready()) return;
-      if (aborted() || (watch_.first_dead() && !ready())) fail_now(fail);
+      if (aborted() || (watch_.first_dead(waits_on) && !ready())) fail_now(fail, waits_on);
       if (dl.expired()) fail_timeout(ready, fail, start);
     }
   }
@@ -268,9 +279,9 @@ class shm_group {
     futex_wake_all(&job_->doorbell);
   }
 
-  template <class Fail>
-  [[noreturn]] void fail_now(Fail& fail) {
-    auto why = failure();
+  template <class Fail, class WaitsOn>
+  [[noreturn]] void fail_now(Fail& fail, WaitsOn& waits_on) {
+    auto why = failure(waits_on);
     if (why) fail(why->first, why->second);
     fail(errc::internal, "wait failed without a cause");
     std::terminate();  // fail must throw

@@ -196,16 +196,25 @@ class peer_watch {
   };
   /// The first watched peer that has exited, if any (never blocks).
   std::optional<dead_peer> first_dead() const noexcept {
+    return first_dead([](int) { return true; });
+  }
+  /// The first watched peer r with relevant(r) that has exited, if any (never blocks).
+  template <class Relevant>
+  std::optional<dead_peer> first_dead(Relevant&& relevant) const noexcept {
     if (peers_.empty()) return std::nullopt;
     std::vector<pollfd> fds;
+    std::vector<const peer*> polled;
     fds.reserve(peers_.size());
+    polled.reserve(peers_.size());
     for (const auto& p : peers_) {
+      if (!relevant(p.rank)) continue;
       if (p.fd < 0) return dead_peer{p.rank, p.pid};
       fds.push_back({p.fd, POLLIN, 0});
+      polled.push_back(&p);
     }
-    if (::poll(fds.data(), fds.size(), 0) <= 0) return std::nullopt;
+    if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) return std::nullopt;
     for (std::size_t i = 0; i < fds.size(); ++i)
-      if (fds[i].revents != 0) return dead_peer{peers_[i].rank, peers_[i].pid};
+      if (fds[i].revents != 0) return dead_peer{polled[i]->rank, polled[i]->pid};
     return std::nullopt;
   }
 
