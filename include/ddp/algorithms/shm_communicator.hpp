@@ -502,13 +502,14 @@ class shm_communicator {
   // Waits for every peer's slot of call c, then checks every peer's header.
   void enter(std::uint64_t c, const collective_desc& d, deadline dl) {
     int next = 0;
+    const auto not_entered = [&](int r) { return slot_of(r, c)->call.load(std::memory_order_acquire) != c; };
     wait(
         [&] {
           for (; next < size_; ++next)
-            if (next != rank_ && slot_of(next, c)->call.load(std::memory_order_acquire) != c) return false;
+            if (next != rank_ && not_entered(next)) return false;
           return true;
         },
-        [&](int r) { return slot_of(r, c)->call.load(std::memory_order_acquire) != c; }, d, dl, [&] { return "waiting for " + ranks_where([&](int r) { return slot_of(r, c)->call.load() != c; }) + " to enter " + d.describe(); });
+        not_entered, d, dl, [&] { return "waiting for " + ranks_where(not_entered) + " to enter " + d.describe(); });
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) continue;
       wire_header h;
@@ -530,13 +531,14 @@ class shm_communicator {
       return;
     }
     int next = 0;
+    const auto behind = [&](int q) { return counter(q, i).load(std::memory_order_acquire) < v; };
     wait(
         [&] {
           for (; next < size_; ++next)
-            if (next != rank_ && counter(next, i).load(std::memory_order_acquire) < v) return false;
+            if (next != rank_ && behind(next)) return false;
           return true;
         },
-        [&](int q) { return counter(q, i).load(std::memory_order_acquire) < v; }, d, dl, [&] { return "waiting for " + ranks_where([&](int q) { return counter(q, i).load() < v; }) + " to " + what; });
+        behind, d, dl, [&] { return "waiting for " + ranks_where(behind) + " to " + what; });
   }
 
   void barrier_steps(const collective_desc& d, deadline dl) {

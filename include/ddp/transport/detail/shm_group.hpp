@@ -193,14 +193,9 @@ class shm_group {
     return std::nullopt;
   }
 
-  /// Waits until ready() holds. On a dead peer, an abort or the deadline it calls
-  /// fail(errc, message), which must throw. ready() is called often: keep it to a few loads.
-  template <class Ready, class Fail>
-  void wait(Ready&& ready, deadline dl, Fail&& fail) {
-    wait(ready, dl, fail, [](int) { return true; });
-  }
-  /// As wait(), where only the ranks r with waits_on(r) can still hold up ready(): a peer that
-  /// has done its part and exited normally (the collective's last step) is no failure.
+  /// Waits until ready() holds. On the death of a peer r with waits_on(r) (only those can still
+  /// hold up ready(): one that did its part may exit normally meanwhile), an abort or the deadline
+  /// it calls fail(errc, message), which must throw. ready() is called often: keep it to a few loads.
   template <class Ready, class Fail, class WaitsOn>
   void wait(Ready&& ready, deadline dl, Fail&& fail, WaitsOn&& waits_on) {
     if (ready()) return;
