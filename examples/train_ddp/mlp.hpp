@@ -22,6 +22,7 @@
 #include <thrust/iterator/counting_iterator.h>
 
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -56,25 +57,46 @@ struct eval_result {
 
 namespace kernels {
 
+// Elementwise work over a [rows x cols] matrix is written as f(r, c). The host build runs it as
+// two nested loops (a division per element for (r, c) costs as much as the work itself at these
+// sizes); the CUDA build flattens it to one thread per element.
+template <class F>
+struct flat_2d {
+  F f;
+  int cols;
+  TRAIN_HD void operator()(long e) const { f(e / cols, int(e % cols)); }
+};
+template <class F>
+void for_each_2d(long rows, int cols, F f) {
+#if defined(__CUDACC__)
+  thrust::for_each(thrust::device, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(rows * cols),
+                   flat_2d<F>{f, cols});
+#else
+  for (long r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) f(r, c);
+#endif
+}
+
 struct gather_rows {
   const float* features;
-  const std::int64_t* labels;
   const std::int64_t* index;
   float* x;
-  std::int64_t* y;
   int d;
-  TRAIN_HD void operator()(long e) const {
-    const long b = e / d, j = e % d;
-    x[e] = features[index[b] * d + j];
-    if (j == 0) y[b] = labels[index[b]];
-  }
+  TRAIN_HD void operator()(long b, int j) const { x[b * d + j] = features[index[b] * d + j]; }
+};
+
+struct gather_labels {
+  const std::int64_t* labels;
+  const std::int64_t* index;
+  std::int64_t* y;
+  TRAIN_HD void operator()(long b) const { y[b] = labels[index[b]]; }
 };
 
 struct broadcast_bias {  // out[b, j] = bias[j]: addmm's `self` expanded into the output first
   const float* bias;
   float* out;
   int n;
-  TRAIN_HD void operator()(long e) const { out[e] = bias[e % n]; }
+  TRAIN_HD void operator()(long b, int j) const { out[b * n + j] = bias[j]; }
 };
 
 struct relu {
@@ -137,14 +159,43 @@ struct column_sums {  // bias gradient: grad.sum(0) in SumKernel's order
     TRAIN_HD float operator()(long r) const { return col[r * stride]; }
   };
   TRAIN_HD void operator()(long j) const { out[j] = torch_column_sum(rows, load{m + j, cols}); }
+
+#if !defined(__CUDACC__) && defined(__GNUC__)
+  // The host sums neighbouring columns at once, one vector lane each (as wide as the target's
+  // vectors: a wider vector returned by value would change the ABI).
+#if defined(__AVX__)
+  static constexpr int width = 8;
+  typedef float lanes __attribute__((vector_size(32)));
+#else
+  static constexpr int width = 4;
+  typedef float lanes __attribute__((vector_size(16)));
+#endif
+  struct load8 {
+    const float* col;
+    int stride;
+    lanes operator()(long r) const {
+      lanes v;
+      std::memcpy(&v, col + r * stride, sizeof v);
+      return v;
+    }
+  };
+  void all() const {
+    int j = 0;
+    for (; j + width <= cols; j += width) {
+      const lanes s = torch_column_sum(rows, load8{m + j, cols});
+      std::memcpy(out + j, &s, sizeof s);
+    }
+    for (; j < cols; ++j) (*this)(j);
+  }
+#else
+  void all() const { thrust::for_each(thrust::device, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(cols), *this); }
+#endif
 };
 
 struct relu_backward {  // threshold_backward(grad, relu_output, 0)
   const float* h;
   float* d;
-  TRAIN_HD void operator()(long e) const {
-    if (!(h[e] > 0.0f)) d[e] = 0.0f;
-  }
+  TRAIN_HD void operator()(long e) const { d[e] = h[e] > 0.0f ? d[e] : 0.0f; }  // a select, so the host vectorizes it
 };
 
 struct sgd_update {  // add_(grad, alpha=-lr): one rounding
@@ -231,13 +282,13 @@ class mlp {
     // 2.weight: grad^T.mm(h); 2.bias: grad.sum(0); input grad: grad.mm(W2)
     gemm_(trans::yes, trans::no, out_, hidden_, int(b), ptr(dz2_), out_, ptr(h1_), hidden_, 0.0f, g + slots_[2].offset,
           hidden_);
-    thrust::for_each(pol, count(0), count(out_), kernels::column_sums{ptr(dz2_), g + slots_[3].offset, b, out_});
+    kernels::column_sums{ptr(dz2_), g + slots_[3].offset, b, out_}.all();
     ready(3);
     ready(2);
     gemm_(trans::no, trans::no, int(b), hidden_, out_, ptr(dz2_), out_, w2, hidden_, 0.0f, ptr(dh_), hidden_);
     thrust::for_each(pol, count(0), count(b * hidden_), kernels::relu_backward{ptr(h1_), ptr(dh_)});
     gemm_(trans::yes, trans::no, hidden_, in_, int(b), ptr(dh_), hidden_, ptr(x_), in_, 0.0f, g + slots_[0].offset, in_);
-    thrust::for_each(pol, count(0), count(hidden_), kernels::column_sums{ptr(dh_), g + slots_[1].offset, b, hidden_});
+    kernels::column_sums{ptr(dh_), g + slots_[1].offset, b, hidden_}.all();
     ready(1);
     ready(0);
     return loss;
@@ -307,19 +358,19 @@ class mlp {
   void gather(const dataset& data, long b) {
     if (data.in != in_) throw std::invalid_argument("mlp: dataset has " + std::to_string(data.in) + " features, model " +
                                                     std::to_string(in_));
-    thrust::for_each(thrust::device, count(0), count(b * in_),
-                     kernels::gather_rows{thrust::raw_pointer_cast(data.features.data()),
-                                          thrust::raw_pointer_cast(data.labels.data()), ptr(index_), ptr(x_), ptr(y_), in_});
+    kernels::for_each_2d(b, in_, kernels::gather_rows{thrust::raw_pointer_cast(data.features.data()), ptr(index_), ptr(x_), in_});
+    thrust::for_each(thrust::device, count(0), count(b),
+                     kernels::gather_labels{thrust::raw_pointer_cast(data.labels.data()), ptr(index_), ptr(y_)});
   }
 
   // addmm(bias, x, W^T) twice with a ReLU between, then log_softmax.
   void forward(long b) {
     const auto pol = thrust::device;
     const float* v = value_data();
-    thrust::for_each(pol, count(0), count(b * hidden_), kernels::broadcast_bias{v + slots_[1].offset, ptr(z1_), hidden_});
+    kernels::for_each_2d(b, hidden_, kernels::broadcast_bias{v + slots_[1].offset, ptr(z1_), hidden_});
     gemm_(trans::no, trans::yes, int(b), hidden_, in_, ptr(x_), in_, v + slots_[0].offset, in_, 1.0f, ptr(z1_), hidden_);
     thrust::for_each(pol, count(0), count(b * hidden_), kernels::relu{ptr(z1_), ptr(h1_)});
-    thrust::for_each(pol, count(0), count(b * out_), kernels::broadcast_bias{v + slots_[3].offset, ptr(z2_), out_});
+    kernels::for_each_2d(b, out_, kernels::broadcast_bias{v + slots_[3].offset, ptr(z2_), out_});
     gemm_(trans::no, trans::yes, int(b), out_, hidden_, ptr(h1_), hidden_, v + slots_[2].offset, hidden_, 1.0f, ptr(z2_),
           out_);
     thrust::for_each(pol, count(0), count(b), kernels::log_softmax_rows{ptr(z2_), ptr(lp_), out_});

@@ -119,16 +119,19 @@ TRAIN_HD inline float torch_logf(float d) {
 }
 
 /// at::native's multi_row_sum/row_sum for one column: the order of x.sum(dim=0) on a
-/// contiguous [n, c] float tensor (SumKernel.cpp: 4-way ILP, 4 cascade levels).
+/// contiguous [n, c] float tensor (SumKernel.cpp: 4-way ILP, 4 cascade levels). `load` returns
+/// a float, or a vector of floats (GCC's vector extension) to sum several columns at once: the
+/// additions are elementwise, so each lane has the bits of its column's scalar sum.
 template <class Load>
-TRAIN_HD float torch_column_sum(long n, const Load& load) {
+TRAIN_HD auto torch_column_sum(long n, const Load& load) {
+  using V = decltype(load(0L));
   constexpr int ilp = 4, levels = 4;
   const long rows = n / ilp;  // the (rows, 4)-shaped view that multi_row_sum reduces
   long ceil_log2 = 0;
   while ((1L << ceil_log2) < rows) ++ceil_log2;
   const long power = ceil_log2 / levels > 4 ? ceil_log2 / levels : 4;
   const long step = 1L << power, mask = step - 1;
-  float acc[levels][ilp] = {};
+  V acc[levels][ilp] = {};
   long i = 0;
   for (; i + step <= rows;) {
     for (long j = 0; j < step; ++j, ++i)
@@ -136,7 +139,7 @@ TRAIN_HD float torch_column_sum(long n, const Load& load) {
     for (int j = 1; j < levels; ++j) {
       for (int k = 0; k < ilp; ++k) {
         acc[j][k] += acc[j - 1][k];
-        acc[j - 1][k] = 0.0f;
+        acc[j - 1][k] = V{};
       }
       if ((i & (mask << (j * power))) != 0) break;
     }
@@ -146,9 +149,9 @@ TRAIN_HD float torch_column_sum(long n, const Load& load) {
   for (int j = 1; j < levels; ++j)
     for (int k = 0; k < ilp; ++k) acc[0][k] += acc[j][k];
   for (long r = rows * ilp; r < n; ++r) acc[0][0] += load(r);
-  float total = acc[0][0];
+  V total = acc[0][0];
   for (int k = 1; k < ilp; ++k) total += acc[0][k];
-  return 0.0f + total;  // the output starts at zero and is accumulated into
+  return V{} + total;  // the output starts at zero and is accumulated into
 }
 
 /// The reduction of nll_loss_out_frame (LossNLL.cpp): sum of -x[b], 8 cascade levels.
