@@ -21,9 +21,9 @@
 // for each transport of the ring backend. Before each timed step the ranks meet at a barrier
 // (not timed); a step's time is the slowest rank's. After --warmup rounds, --steps rounds are
 // timed; the table has the medians (with --repeat R, the median over the R jobs of each
-// configuration's medians, the jobs interleaved). "all-reduce" is the time the group's
-// communication thread spent in all_reduce during a synced step, its share is that over the
-// synced step time; "overhead" is synced - local. The CSV adds the parts of the step
+// configuration's medians, the jobs interleaved). "all-reduce" is the time the group spent
+// in all_reduce during a synced step (the last bucket's on the calling thread in finish(), any
+// others on the communication thread), its share is that over the synced step time; "overhead" is synced - local. The CSV adds the parts of the step
 // (forward + backward, SGD step) and the time finish() waited. Gradients are the model's own
 // flat buffer, reduced in place (user memory, not group.allocate's shared memory).
 //
