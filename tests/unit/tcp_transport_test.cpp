@@ -1,5 +1,6 @@
 // tcp_transport: mesh set-up, full-duplex transfers larger than the socket buffers, byte counters,
-// deadlines, peer loss, abort from another thread, strangers on the port, fd hygiene, addresses.
+// deadlines, peer loss, abort from another thread, strangers on the port, fd hygiene, addresses,
+// busy-polling before sleeping (budget, adaptation, deadline and abort while spinning).
 // Ranks are threads sharing a hash_store; every blocking call has a deadline.
 #include <dirent.h>
 #include <poll.h>
@@ -223,7 +224,7 @@ TEST_CASE("tcp: strangers on a rank's port are rejected without disturbing the g
     run_threads(2, [&](int r) {
       if (r == 1) strangers_in.wait();  // rank 1 joins only once the strangers are connected
       auto o = short_setup();
-      o.listen_address = "127.0.0.1";  // no host-identity round, which would wait for rank 1
+      o.listen_address = "127.0.0.1";  // the host-identity count waits until the mesh is built, not before listening
       ddp::tcp_transport t(store, r, 2, "strangers", o);
       const auto out = pattern(r, 100000);
       std::vector<std::byte> in(out.size());
@@ -309,4 +310,159 @@ TEST_CASE("tcp: a rank that never joins makes the others time out naming it") {
     INFO(m);
     CHECK(m.find("rank(s) 2") != std::string::npos);
   }
+}
+
+TEST_CASE("tcp: spinning is off when the host runs more of the group's ranks than it has CPUs, or when asked") {
+  using ddp::detail::tcp::spin_budget;
+  CHECK(spin_budget(50us, 2, 2) == 50us);
+  CHECK(spin_budget(50us, 1, 64) == 50us);
+  CHECK(spin_budget(50us, 3, 2) == 0us);
+  CHECK(spin_budget(0us, 1, 64) == 0us);
+  CHECK(spin_budget(-5us, 1, 64) == 0us);
+}
+
+TEST_CASE("tcp: the spin budget halves on a miss, comes back on a catch, and probes now and then at zero") {
+  ddp::detail::tcp::spin_policy s(40us);
+  CHECK(s.next() == 40us);
+  s.missed();
+  CHECK(s.next() == 20us);
+  s.caught();
+  CHECK(s.next() == 40us);
+  for (int i = 0; i < 6; ++i) s.missed();  // 40 -> 20 -> 10 -> 5 -> 2.5 -> 1.25 -> below 1 us: off
+  int probes = 0;
+  for (unsigned i = 0; i < 10 * ddp::detail::tcp::spin_policy::probe_every; ++i) {
+    const auto budget = s.next();
+    if (budget == 0ns) continue;
+    CHECK(budget == 40us);
+    ++probes;
+  }
+  CHECK(probes == 10);
+  s.caught();  // a probe that caught data restores the budget
+  CHECK(s.next() == 40us);
+  ddp::detail::tcp::spin_policy off(0us);
+  for (unsigned i = 0; i < 2 * ddp::detail::tcp::spin_policy::probe_every; ++i) CHECK(off.next() == 0ns);
+}
+
+TEST_CASE("tcp: the spin comes from the options, then DDP_TCP_SPIN_US, then 50 us; a bad value is a config error") {
+  ddp::store::hash_store store;
+  const int cpus = ddp::detail::shm::usable_cpus();
+  auto spin_of = [&](const std::string& prefix, ddp::tcp_options o) {
+    std::chrono::microseconds spin[2];
+    run_threads(2, [&](int r) {
+      ddp::tcp_transport t(store, r, 2, prefix, o);
+      spin[static_cast<std::size_t>(r)] = t.spin();
+    });
+    CHECK(spin[0] == spin[1]);
+    return spin[0];
+  };
+  auto on = [&](std::chrono::microseconds us) { return cpus >= 2 ? us : 0us; };  // 2 ranks on this host
+  ::unsetenv("DDP_TCP_SPIN_US");
+  CHECK(spin_of("s1", short_setup()) == on(50us));
+  ::setenv("DDP_TCP_SPIN_US", "7", 1);
+  CHECK(spin_of("s2", short_setup()) == on(7us));
+  ::setenv("DDP_TCP_SPIN_US", "0", 1);
+  CHECK(spin_of("s3", short_setup()) == 0us);
+  auto o = short_setup();
+  o.spin = 20us;
+  CHECK(spin_of("s4", o) == on(20us));
+  o.listen_address = "127.0.0.1";  // counted after the mesh is built
+  CHECK(spin_of("s5", o) == on(20us));
+  ::setenv("DDP_TCP_SPIN_US", "fast", 1);
+  try {
+    ddp::tcp_transport t(store, 0, 2, "s6", short_setup());
+    FAIL("a bad DDP_TCP_SPIN_US was accepted");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK(std::string(e.what()).find("DDP_TCP_SPIN_US='fast'") != std::string::npos);
+  }
+  ::unsetenv("DDP_TCP_SPIN_US");
+  // More ranks on this host than CPUs: they would spin on each other's cores.
+  if (cpus <= 16) {
+    const int p = cpus + 1;
+    o = short_setup();
+    o.spin = 50us;
+    std::vector<std::chrono::microseconds> spins(static_cast<std::size_t>(p));
+    run_threads(p, [&](int r) { spins[static_cast<std::size_t>(r)] = ddp::tcp_transport(store, r, p, "s7", o).spin(); });
+    for (const auto x : spins) CHECK(x == 0us);
+  }
+}
+
+TEST_CASE("tcp: small exchanges with and without spinning deliver every byte") {
+  ddp::store::hash_store store;
+  for (const auto spin : {0us, 50us}) {
+    auto o = short_setup();
+    o.spin = spin;
+    run_threads(3, [&](int r) {
+      ddp::tcp_transport t(store, r, 3, "small" + std::to_string(spin.count()), o);
+      const int next = (r + 1) % 3, prev = (r + 2) % 3;
+      for (std::size_t n : {std::size_t{1}, std::size_t{4}, std::size_t{96}, std::size_t{1056}, std::size_t{70000}}) {
+        for (int i = 0; i < 200; ++i) {
+          const auto out = pattern(r + i, n);
+          std::vector<std::byte> in(n);
+          t.send_recv(next, out, prev, in, ddp::deadline::after(20s));
+          if (in != pattern(prev + i, n)) throw std::runtime_error("wrong bytes at " + std::to_string(n) + " bytes, round " + std::to_string(i));
+        }
+      }
+    });
+  }
+}
+
+TEST_CASE("tcp: a spin longer than the deadline still ends at the deadline") {
+  ddp::store::hash_store store;
+  std::latch done(2);
+  auto o = short_setup();
+  o.spin = 10s;  // every wait would spin past the deadline if the deadline did not bound it
+  run_threads(2, [&](int r) {
+    ddp::tcp_transport t(store, r, 2, "spin-deadline", o);
+    if (r == 1) {
+      done.arrive_and_wait();
+      return;
+    }
+    std::byte buf[16];
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      t.recv(1, buf, ddp::deadline::after(300ms));
+      done.count_down();
+      throw std::runtime_error("recv returned without data");
+    } catch (const ddp::error& e) {
+      const auto took = std::chrono::steady_clock::now() - start;
+      done.count_down();
+      if (e.code() != ddp::errc::timeout) throw;
+      if (took < 290ms || took > 3s) throw std::runtime_error("timeout fired after " + std::to_string(took.count()) + " ns");
+    }
+  });
+}
+
+TEST_CASE("tcp: abort() from another thread ends a spinning recv promptly") {
+  ddp::store::hash_store store;
+  std::latch done(2);
+  auto o = short_setup();
+  o.spin = 10s;
+  run_threads(2, [&](int r) {
+    ddp::tcp_transport t(store, r, 2, "spin-abort", o);
+    if (r == 1) {
+      done.arrive_and_wait();
+      return;
+    }
+    std::latch waiting(1);
+    ddp::errc code{};
+    std::chrono::steady_clock::duration took{};
+    std::thread waiter([&] {
+      std::byte buf[8];
+      waiting.count_down();
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        t.recv(1, buf, ddp::deadline::after(30s));
+      } catch (const ddp::error& e) {
+        code = e.code();
+      }
+      took = std::chrono::steady_clock::now() - start;
+    });
+    waiting.wait();
+    t.abort();
+    waiter.join();
+    done.count_down();
+    if (code != ddp::errc::peer_lost) throw std::runtime_error("recv did not fail with peer_lost after abort");
+    if (took > 2s) throw std::runtime_error("abort took too long to end the spin");
+  });
 }

@@ -17,6 +17,16 @@
 // directions in one poll loop, so a ring step cannot deadlock at any size; scatter-gather pieces
 // (send_recv_v) put a header and its payload in one syscall. EOF or reset is errc::peer_lost naming
 // the peer at once; an expired deadline is errc::timeout saying how far the transfer got.
+//
+// Waiting: a transfer that would block first busy-polls its sockets for up to tcp_options::spin
+// (else DDP_TCP_SPIN_US, else 50 us; 0: never) and only then sleeps in poll(). A rank asleep in
+// poll() pays a scheduler wake-up when the peer's bytes land (on a VM whose idle vCPUs halt, an
+// interrupt into a halted vCPU too): 15-20 us per hop on the 2-vCPU development VM, several
+// times what a small message takes over loopback. The budget adapts: a spin that ends without
+// data halves it (down to 0, then one full spin every 64 waits to look again), one that catches
+// data restores it, so a rank on a loaded host soon stops taking CPU from the ranks it waits
+// for. Spinning is off when this host runs more of the group's ranks than the process may use CPUs.
+//
 // abort() shuts every socket down and wakes pollers through an eventfd, from any thread.
 // One thread at a time may move data; abort() and the counters may be used from any thread.
 // It lives in namespace ddp, not ddp::transport: that name is taken by the transport concept.
@@ -24,6 +34,7 @@
 #include <sys/eventfd.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -32,6 +43,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -40,9 +52,11 @@
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/host.hpp"
 #include "ddp/core/deadline.hpp"
+#include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/store/store.hpp"
 #include "ddp/transport/detail/pieces.hpp"
+#include "ddp/transport/detail/shm_segment.hpp"
 #include "ddp/transport/detail/socket.hpp"
 
 namespace ddp {
@@ -51,6 +65,7 @@ struct tcp_options {
   std::string listen_address;                               // empty: DDP_SOCKET_ADDR, else see above
   std::chrono::milliseconds timeout = default_timeout();    // for building the mesh
   int socket_buffer_bytes = 4 << 20;                        // SO_SNDBUF / SO_RCVBUF request
+  std::optional<std::chrono::microseconds> spin;            // busy-poll before sleeping; empty: DDP_TCP_SPIN_US, else 50 us
 };
 
 namespace detail::tcp {
@@ -214,6 +229,49 @@ struct no_progress {
   void operator()(std::size_t) const noexcept {}
 };
 
+/// tcp_options::spin, else DDP_TCP_SPIN_US (whole microseconds), else 50 us.
+inline std::chrono::microseconds wanted_spin(const std::optional<std::chrono::microseconds>& option) {
+  if (option) return *option;
+  if (const char* env = std::getenv("DDP_TCP_SPIN_US"); env != nullptr && *env != '\0') {
+    return std::chrono::microseconds(ddp::detail::env_int("DDP_TCP_SPIN_US", env, 0, "50"));
+  }
+  return std::chrono::microseconds(50);
+}
+
+/// The busy-poll budget of a rank: `wanted` unless this host runs more of the group's ranks
+/// than the process may use CPUs (a spinning rank would then hold the core its peer needs).
+inline std::chrono::microseconds spin_budget(std::chrono::microseconds wanted, int ranks_on_host, int cpus) noexcept {
+  if (wanted <= std::chrono::microseconds::zero() || ranks_on_host > cpus) return std::chrono::microseconds::zero();
+  return wanted;
+}
+
+/// The adaptive spin of one transport (see the header comment); used by the data thread only.
+class spin_policy {
+ public:
+  static constexpr unsigned probe_every = 64;
+
+  spin_policy() = default;
+  explicit spin_policy(std::chrono::microseconds max) noexcept : max_(max), now_(max) {}
+
+  std::chrono::microseconds max() const noexcept { return max_; }
+  /// How long to spin at the start of a wait.
+  std::chrono::nanoseconds next() noexcept {
+    if (now_ > std::chrono::nanoseconds::zero()) return now_;
+    if (max_ > std::chrono::microseconds::zero() && ++idle_waits_ % probe_every == 0) return max_;
+    return std::chrono::nanoseconds::zero();
+  }
+  void caught() noexcept { now_ = max_; }
+  void missed() noexcept {
+    now_ /= 2;
+    if (now_ < std::chrono::microseconds(1)) now_ = std::chrono::nanoseconds::zero();
+  }
+
+ private:
+  std::chrono::microseconds max_{0};
+  std::chrono::nanoseconds now_{0};
+  unsigned idle_waits_ = 0;
+};
+
 }  // namespace detail::tcp
 
 class tcp_transport {
@@ -238,6 +296,8 @@ class tcp_transport {
   int size() const noexcept { return s_->size; }
   /// "host:port" this rank listened on while the mesh was built.
   const std::string& address() const noexcept { return s_->address; }
+  /// The most a wait busy-polls before it sleeps: tcp_options::spin, or 0 where spinning is off.
+  std::chrono::microseconds spin() const noexcept { return s_->spin.max(); }
 
   void send(int peer, std::span<const std::byte> out, deadline dl) {
     const send_piece p[1] = {out};
@@ -266,6 +326,8 @@ class tcp_transport {
     const int to_fd = oc.done() ? -1 : fd_of(to);
     const int from_fd = ic.done() ? -1 : fd_of(from);
     const bool report_first = !in.empty() && !in[0].empty();
+    bool spinning = false;
+    clock::time_point spin_end{};
     while (!oc.done() || !ic.done()) {
       if (s_->aborted.load(std::memory_order_acquire)) throw aborted_error();
       bool moved = false;
@@ -299,8 +361,24 @@ class tcp_transport {
           lost(from, errno);
         }
       }
-      if (moved || (oc.done() && ic.done())) continue;
+      if (moved || (oc.done() && ic.done())) {
+        if (spinning) s_->spin.caught();
+        spinning = false;
+        continue;
+      }
       progress(ic.done_bytes);
+      // Busy-poll before sleeping (see the header comment); the deadline still bounds it.
+      if (!spinning) {
+        if (const auto budget = s_->spin.next(); budget > clock::duration::zero()) {
+          spinning = true;
+          spin_end = std::min(clock::now() + budget, dl.time_point());
+          continue;
+        }
+      } else {
+        if (clock::now() < spin_end) continue;
+        s_->spin.missed();
+        spinning = false;
+      }
       pollfd p[3];
       nfds_t n = 0;
       if (to_fd >= 0 && to_fd == from_fd) {
@@ -359,6 +437,7 @@ class tcp_transport {
     std::atomic<bool> aborted{false};
     std::atomic<int> lost_peer{-1};
     std::string address;
+    detail::tcp::spin_policy spin;
   };
 
   int fd_of(int peer) const {
@@ -396,23 +475,33 @@ class tcp_transport {
     return s;
   }
 
-  std::string choose_listen_address(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
+  /// tcp_options::listen_address, else DDP_SOCKET_ADDR; empty when neither is set.
+  static std::string given_listen_address(const tcp_options& opts) {
     if (!opts.listen_address.empty()) return opts.listen_address;
     if (const char* env = std::getenv("DDP_SOCKET_ADDR"); env != nullptr && *env != '\0') return env;
-    const std::string me = ddp::host_identity();
-    store.set_string(prefix + "/tcp/host/" + std::to_string(s_->rank), me);
+    return {};
+  }
+
+  /// How many of the group's ranks run on this host (this one included), from the host
+  /// identities every rank publishes (as `me`) before it listens or connects.
+  int ranks_on_this_host(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const std::string& me) {
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(prefix + "/tcp/host/" + std::to_string(r));
     wait_for_ranks(store, keys, opts.timeout, "publish their host identity");
-    for (const auto& k : keys) {
-      if (store.get_string(k) != me) {
-        // Several hosts: listen where this host reaches the rendezvous host from.
-        if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
-          if (auto address = local_address_towards(master); !address.empty()) return address;
-        }
-        throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
-                                  "this host's address on the network the ranks share", {.rank = s_->rank});
+    int n = 0;
+    for (const auto& k : keys) n += store.get_string(k) == me ? 1 : 0;
+    return n;
+  }
+
+  /// The listen address when none is given: loopback when every rank runs on this host.
+  std::string choose_listen_address(int ranks_on_host) {
+    if (ranks_on_host != s_->size) {
+      // Several hosts: listen where this host reaches the rendezvous host from.
+      if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
+        if (auto address = local_address_towards(master); !address.empty()) return address;
       }
+      throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
+                                "this host's address on the network the ranks share", {.rank = s_->rank});
     }
     return "127.0.0.1";
   }
@@ -442,7 +531,18 @@ class tcp_transport {
     const deadline dl = deadline::after(opts.timeout);
     const int rank = s_->rank, size = s_->size;
     const std::uint64_t prefix_hash = detail::tcp::fnv1a(prefix);
-    const std::string host = choose_listen_address(store, prefix, opts);
+    const auto spin = detail::tcp::wanted_spin(opts.spin);  // a bad DDP_TCP_SPIN_US fails before any waiting
+    // The ranks on this host decide the listen address (when none is given) and whether waits
+    // may spin. With an address given, the count waits until the mesh is built, so a rank
+    // listens before the others arrive; by then every rank has published (before connecting).
+    const std::string identity = ddp::host_identity();
+    store.set_string(prefix + "/tcp/host/" + std::to_string(rank), identity);
+    std::string host = given_listen_address(opts);
+    int ranks_on_host = 0;
+    if (host.empty()) {
+      ranks_on_host = ranks_on_this_host(store, prefix, opts, identity);
+      host = choose_listen_address(ranks_on_host);
+    }
     detail::tcp::unique_fd listener = detail::tcp::listen_ephemeral(host, size + 64);
     const detail::tcp::host_port me{host, detail::tcp::port_of(listener.get())};
     s_->address = me.str();
@@ -557,6 +657,8 @@ class tcp_transport {
         }
       }
     }
+    if (ranks_on_host == 0) ranks_on_host = ranks_on_this_host(store, prefix, opts, identity);
+    s_->spin = detail::tcp::spin_policy(detail::tcp::spin_budget(spin, ranks_on_host, detail::shm::usable_cpus()));
     // The listener and any stranger still waiting are closed here.
   }
 
