@@ -9,6 +9,9 @@
 //    CPU build reproduces PyTorch's bits. Runs through thrust::for_each, hence on the host
 //    (CPP system) or on the GPU (CUDA system) with the same bits.
 //  - eigen_gemm (CPU build): Eigen::Map over the buffers; fast for large shapes, different bits.
+//  - fast_gemm (CPU build): makes mlp<> run its fused host step (fast_step.hpp) for training;
+//    its own GEMM calls (evaluation) go to the register-tiled host kernel when a dimension is
+//    small (<= 16: no packing worth Eigen's), else to Eigen. Different bits from exact.
 //  - cublas_gemm (CUDA build, in cublas_gemm.hpp): cuBLAS sgemm.
 
 #include <thrust/execution_policy.h>
@@ -232,6 +235,22 @@ struct eigen_gemm {
     else if (ta == trans::no) C.noalias() += A * B.transpose();
     else if (tb == trans::no) C.noalias() += A.transpose() * B;
     else C.noalias() += A.transpose() * B.transpose();
+  }
+};
+#endif
+
+#if !defined(__CUDACC__)
+/// The fast CPU policy (--gemm fast): mlp<> sees fused_host_step and trains with the fused step of
+/// fast_step.hpp; the remaining GEMMs (evaluation's forward) dispatch on their smallest dimension.
+struct fast_gemm {
+  static constexpr const char* name = "fast";
+  static constexpr bool fused_host_step = true;
+  void operator()(trans ta, trans tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                  float beta, float* c, int ldc) const {
+#if defined(TRAIN_HAVE_EIGEN)
+    if (std::min({m, n, k}) > 16) return eigen_gemm{}(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+#endif
+    detail::exact_gemm_host(ta == trans::yes, tb == trans::yes, m, n, k, a, lda, b, ldb, beta, c, ldc);
   }
 };
 #endif

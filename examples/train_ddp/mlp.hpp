@@ -2,7 +2,8 @@
 // The tutorial's model, nn.Sequential(nn.Linear(in, hidden), nn.ReLU(), nn.Linear(hidden, out)),
 // with mean cross-entropy and SGD, written once over Thrust and a GEMM policy:
 //  - CPU build: THRUST_DEVICE_SYSTEM=CPP, so thrust::device_vector is host memory and every
-//    thrust call runs on the host; GEMM = exact_gemm or eigen_gemm.
+//    thrust call runs on the host; GEMM = exact_gemm or eigen_gemm, or fast_gemm, with which
+//    training runs the fused host step of fast_step.hpp instead of the operations below.
 //  - CUDA build: the same code with Thrust's CUDA system; GEMM = cublas_gemm or exact_gemm.
 // The elementwise work, the softmax-cross-entropy and the reductions follow PyTorch's CPU
 // kernels operation for operation (torch_math.hpp), so with the exact GEMM the losses and
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "fast_step.hpp"
 #include "gemm.hpp"
 #include "torch_math.hpp"
 
@@ -219,6 +221,11 @@ struct argmax_hits {
 
 }  // namespace kernels
 
+/// A GEMM policy that asks for the fused host training step (fast_step.hpp) instead of the
+/// operation-by-operation one: fast_gemm, in the CPU build.
+template <class Gemm>
+concept fused_host_step = requires { requires Gemm::fused_host_step; };
+
 template <class Gemm>
 class mlp {
  public:
@@ -271,6 +278,14 @@ class mlp {
     reserve(b);
     thrust::copy(batch.begin(), batch.end(), index_.begin());
     gather(data, b);
+#if !defined(__CUDACC__)
+    if constexpr (fused_host_step<Gemm>) {
+      fused_forward_backward(b);
+      const float loss = loss_item(b);
+      for (int i : {3, 2, 1, 0}) ready(i);
+      return loss;
+    }
+#endif
     forward(b);
     const float loss = loss_item(b);
 
@@ -316,7 +331,16 @@ class mlp {
       reserve(b);
       thrust::copy(idx.begin(), idx.end(), index_.begin());
       gather(data, b);
+#if !defined(__CUDACC__)
+      if constexpr (fused_host_step<Gemm>) {
+        fast::logits(fused_args(b));
+        thrust::for_each(thrust::device, count(0), count(b), kernels::log_softmax_rows{ptr(z2_), ptr(lp_), out_});
+      } else {
+        forward(b);
+      }
+#else
       forward(b);
+#endif
       r.correct += thrust::count_if(thrust::device, count(0), count(b), kernels::argmax_hits{ptr(z2_), ptr(y_), out_});
       thrust::for_each(thrust::device, count(0), count(b), kernels::pick_target{ptr(lp_), ptr(y_), ptr(picked_), out_});
       std::vector<float> host(static_cast<std::size_t>(b));
@@ -347,9 +371,11 @@ class mlp {
     y_.resize(b);
     picked_.resize(b);
     x_.resize(std::size_t(b) * in_);
-    z1_.resize(std::size_t(b) * hidden_);
-    h1_.resize(std::size_t(b) * hidden_);
-    dh_.resize(std::size_t(b) * hidden_);
+    if constexpr (!fused_host_step<Gemm>) {  // the fused step keeps its activations in a few rows of scratch
+      z1_.resize(std::size_t(b) * hidden_);
+      h1_.resize(std::size_t(b) * hidden_);
+      dh_.resize(std::size_t(b) * hidden_);
+    }
     z2_.resize(std::size_t(b) * out_);
     lp_.resize(std::size_t(b) * out_);
     dz2_.resize(std::size_t(b) * out_);
@@ -375,6 +401,38 @@ class mlp {
           out_);
     thrust::for_each(pol, count(0), count(b), kernels::log_softmax_rows{ptr(z2_), ptr(lp_), out_});
   }
+
+#if !defined(__CUDACC__)
+  // The whole step in one pass over the batch (fast_step.hpp); the row loss is the exact path's.
+  fast::step_args fused_args(long b) {
+    float* v = value_data();
+    float* g = grad_data();
+    return {b,
+            in_,
+            hidden_,
+            out_,
+            ptr(x_),
+            v + slots_[0].offset,
+            v + slots_[1].offset,
+            v + slots_[2].offset,
+            v + slots_[3].offset,
+            g + slots_[0].offset,
+            g + slots_[1].offset,
+            g + slots_[2].offset,
+            g + slots_[3].offset,
+            ptr(z2_),
+            ptr(dz2_)};
+  }
+  void fused_forward_backward(long b) {
+    const fast::step_args a = fused_args(b);
+    const kernels::log_softmax_rows log_softmax{ptr(z2_), ptr(lp_), out_};
+    const kernels::cross_entropy_backward ce_backward{ptr(lp_), ptr(y_), ptr(dz2_), out_, -(1.0f / float(b))};
+    fast::step(a, [&](long r) {
+      log_softmax(r);
+      ce_backward(r);
+    });
+  }
+#endif
 
   // nll_loss(mean): the cascade sum runs on the host over the b picked values, which is the
   // device-to-host transfer loss.item() makes anyway.

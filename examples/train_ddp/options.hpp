@@ -24,7 +24,7 @@ struct options {
   std::optional<std::uint64_t> init_seed;  // none: random weights, made equal by DDP's broadcast
   std::string report;                      // JSON report path (rank 0 writes it)
   int nproc_per_node = 1;                  // > 1 and RANK unset: relaunch as N ranks
-  std::string gemm = "exact";              // exact (PyTorch's bits) | eigen (CPU) | cublas (CUDA)
+  std::string gemm = "exact";              // exact (PyTorch's bits) | eigen (CPU) | fast (CPU) | cublas (CUDA)
   int simulate_world = 0;                  // > 0: one process, W replicas, averaged in rank order
   std::string scaling;                     // "1,2,4": the scaling report (scaling.hpp) instead of one run
 };
@@ -51,7 +51,7 @@ inline options parse_options(int argc, char** argv) {
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node,
                  "ranks to launch on this host when RANK is not set (ddp::launch, like torchrun --standalone)")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--gemm", o.gemm, "GEMM policy: exact (PyTorch's summation order), eigen (CPU), cublas (CUDA)");
+  app.add_option("--gemm", o.gemm, "GEMM policy: exact (PyTorch's summation order), eigen (CPU), fast (CPU: fused step), cublas (CUDA)");
   app.add_option("--simulate-world", o.simulate_world,
                  "run W replicas in this one process and average their gradients in rank order (no communication)")
       ->check(CLI::Range(0, 1024));

@@ -308,9 +308,11 @@ inline int run_with_gemm(const options& o) {
   throw std::invalid_argument("--gemm " + o.gemm + ": this CUDA build has exact and cublas");
 #elif defined(TRAIN_HAVE_EIGEN)
   if (o.gemm == "eigen") return run(o, eigen_gemm{});
-  throw std::invalid_argument("--gemm " + o.gemm + ": this CPU build has exact and eigen");
+  if (o.gemm == "fast") return run(o, fast_gemm{});
+  throw std::invalid_argument("--gemm " + o.gemm + ": this CPU build has exact, eigen and fast");
 #else
-  throw std::invalid_argument("--gemm " + o.gemm + ": this build has exact only (Eigen was not found)");
+  if (o.gemm == "fast") return run(o, fast_gemm{});
+  throw std::invalid_argument("--gemm " + o.gemm + ": this build has exact and fast (Eigen was not found)");
 #endif
 }
 
