@@ -3,20 +3,22 @@
 // Linear(in, hidden) - ReLU - Linear(hidden, out) for a batch, in blocks of 8 rows, without ever
 // writing a [batch x hidden] matrix to memory.
 //
-// The compute-bound job (in = 10, hidden = 1024, out = 2, batch 256) spends its time on three
-// 1 MB activation matrices (z1, h1, dh) walked ~10 times per step, and in GEMMs whose small side
-// (k = 10 or n = 2) makes a general GEMM's packing pure overhead. Here every row block does
+// The operation-by-operation step of the compute-bound job (in = 10, hidden = 1024, out = 2,
+// batch 256) makes about ten passes over three 1 MB activation matrices (z1, h1, dh), and GEMMs
+// whose small side (k = 10 or n = 2) makes a general GEMM's packing pure overhead. Here every
+// row block does
 //   h  = relu(x W1^T + b1)          4 x 16 register tiles, bias as the accumulators' start, ReLU on the store
 //   z2 = h W2^T + b2                dot products over the block's h (L1-resident scratch)
 //   dz2                             the same log_softmax / cross-entropy-backward row kernels as the exact path
 //   dW2 += dz2^T h,  db2 += dz2
 //   dh = (dz2 W2) * (h > 0)         kept in registers, one 8-column chunk of 8 rows at a time
 //   db1 += dh (row-wise: contiguous), dW1^T += x^T dh
-// with W1^T, W2, dW1^T, db1 and dW2 as small zero-padded [.. x hidden8] panels (L1/L2-resident).
+// with W1^T, W2, dW1^T, db1 and dW2 as small zero-padded panels (L1/L2-resident).
 //
-// Bits: every gradient is still a sum over the batch rows in row order, but the forward adds the
-// bias first and the reductions are not PyTorch's cascades, so results differ from `exact` in the
-// last bits (train_ddp_test compares the losses).
+// Bits: the forward adds the bias first, the logits are dot products summed 4 x 8 lanes wide,
+// and the gradients are batch sums grouped differently from PyTorch's cascades (dW1 in row
+// order, dW2 and db1 even and odd rows apart, db2 in double), so results differ from `exact` in
+// the last bits (train_ddp_test compares the losses).
 
 #if !defined(__CUDACC__)
 
