@@ -164,27 +164,27 @@ class process_group {
   const B& backend() const { return live().backend; }
 
   // --- all_reduce ------------------------------------------------------------------------
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void all_reduce(std::span<T> data, Op op = {}) {
-    run(describe<T>(collective::all_reduce, data.size(), Op::kind), data.size_bytes(), all_reduce_call(data, op));
+    run(describe<T>(collective::all_reduce, data.size(), kind_of(op)), data.size_bytes(), all_reduce_call(data, op));
   }
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void all_reduce(std::span<const T> in, std::span<T> out, Op op = {}) {
     check_same_size(collective::all_reduce, in.size(), out.size());
-    run(describe<T>(collective::all_reduce, out.size(), Op::kind), out.size_bytes(), all_reduce_call(in, out, op));
+    run(describe<T>(collective::all_reduce, out.size(), kind_of(op)), out.size_bytes(), all_reduce_call(in, out, op));
   }
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work all_reduce_async(std::span<T> data, Op op = {}) {
-    return submit(describe<T>(collective::all_reduce, data.size(), Op::kind), data.size_bytes(), all_reduce_call(data, op));
+    return submit(describe<T>(collective::all_reduce, data.size(), kind_of(op)), data.size_bytes(), all_reduce_call(data, op));
   }
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work all_reduce_async(std::span<const T> in, std::span<T> out, Op op = {}) {
     check_same_size(collective::all_reduce, in.size(), out.size());
-    return submit(describe<T>(collective::all_reduce, out.size(), Op::kind), out.size_bytes(), all_reduce_call(in, out, op));
+    return submit(describe<T>(collective::all_reduce, out.size(), kind_of(op)), out.size_bytes(), all_reduce_call(in, out, op));
   }
 
   // --- broadcast ---------------------------------------------------------------------------
@@ -202,17 +202,17 @@ class process_group {
   }
 
   // --- reduce (result on root; other ranks' data is unspecified afterwards) ----------------
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void reduce(std::span<T> data, int root, Op op = {}) {
     check_rank(collective::reduce, "root", root);
-    run(describe<T>(collective::reduce, data.size(), Op::kind, root), data.size_bytes(), reduce_call(data, root, op));
+    run(describe<T>(collective::reduce, data.size(), kind_of(op), root), data.size_bytes(), reduce_call(data, root, op));
   }
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work reduce_async(std::span<T> data, int root, Op op = {}) {
     check_rank(collective::reduce, "root", root);
-    return submit(describe<T>(collective::reduce, data.size(), Op::kind, root), data.size_bytes(), reduce_call(data, root, op));
+    return submit(describe<T>(collective::reduce, data.size(), kind_of(op), root), data.size_bytes(), reduce_call(data, root, op));
   }
 
   // --- all_gather: out = size() * in, rank-major ------------------------------------------
@@ -230,17 +230,17 @@ class process_group {
   }
 
   // --- reduce_scatter: in = size() * out --------------------------------------------------
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op = {}) {
     check_scaled(collective::reduce_scatter, "in", in.size(), "out", out.size());
-    run(describe<T>(collective::reduce_scatter, out.size(), Op::kind), in.size_bytes(), reduce_scatter_call(in, out, op));
+    run(describe<T>(collective::reduce_scatter, out.size(), kind_of(op)), in.size_bytes(), reduce_scatter_call(in, out, op));
   }
-  template <dtype_like T, reduce_op Op = sum>
+  template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work reduce_scatter_async(std::span<const T> in, std::span<T> out, Op op = {}) {
     check_scaled(collective::reduce_scatter, "in", in.size(), "out", out.size());
-    return submit(describe<T>(collective::reduce_scatter, out.size(), Op::kind), in.size_bytes(), reduce_scatter_call(in, out, op));
+    return submit(describe<T>(collective::reduce_scatter, out.size(), kind_of(op)), in.size_bytes(), reduce_scatter_call(in, out, op));
   }
 
   // --- all_to_all: equal blocks of in.size() / size() -------------------------------------

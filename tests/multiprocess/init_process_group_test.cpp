@@ -8,8 +8,10 @@
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,6 +101,64 @@ TEST_CASE("init_process_group: ranks from torchrun's variables, store served by 
       INFO(result.describe());
       REQUIRE(result.ok());
     }
+  }
+}
+
+// ddp::group hands the ring backend its reduction at run time (ddp::runtime_op): every kind, on
+// the small-message and the ring/zero-copy paths of both transports, against closed forms.
+// Contributions x_r[i] = r + 1 + (i % 3): sum, min, max, prod and avg follow from p alone.
+TEST_CASE("init_process_group: every reduction through the type-erased group matches its closed form") {
+  for (const char* name : {"tcp", "shm"}) {
+    const int p = 3;
+    INFO(name);
+    const int port = free_port();
+    const auto result = ddp::test::run_ranks(
+        p,
+        [&](int rank) {
+          torchrun_env(rank, p, port);
+          auto g = ddp::init_process_group(name, {.timeout = 30s, .init_timeout = 30s});
+          for (std::size_t n : {std::size_t{5}, std::size_t{100003}}) {  // direct / ring and staged paths
+            for (auto kind : {ddp::reduce_kind::sum, ddp::reduce_kind::avg, ddp::reduce_kind::min, ddp::reduce_kind::max,
+                              ddp::reduce_kind::prod}) {
+              std::vector<double> d(n);
+              std::vector<std::int32_t> k(n), rs_out(n / p);
+              for (std::size_t i = 0; i < n; ++i) d[i] = k[i] = rank + 1 + static_cast<int>(i % 3);
+              const std::vector<std::int32_t> rs_in = k;
+              ddp::visit_reduce_kind(kind, [&](auto op) {
+                g.all_reduce(d, op);
+                g.all_reduce(k, op);
+                g.reduce_scatter(std::span<const std::int32_t>(rs_in.data(), rs_out.size() * p), rs_out, op);
+              });
+              auto want = [&](std::size_t i) {
+                const double c = static_cast<double>(i % 3);  // x_r = r + 1 + c for r < p
+                switch (kind) {
+                  case ddp::reduce_kind::sum: return p * c + p * (p + 1) / 2.0;
+                  case ddp::reduce_kind::avg: return c + (p + 1) / 2.0;
+                  case ddp::reduce_kind::min: return 1 + c;
+                  case ddp::reduce_kind::max: return p + c;
+                  case ddp::reduce_kind::prod: break;
+                }
+                return (1 + c) * (2 + c) * (3 + c);
+              };
+              // int32 avg divides the integer sum with truncation, like torch's integer tensors.
+              auto want_int = [&](std::size_t i) {
+                if (kind == ddp::reduce_kind::avg) return static_cast<std::int32_t>(std::trunc(want(i) * p) / p);
+                return static_cast<std::int32_t>(want(i));
+              };
+              const std::string what = std::string(ddp::to_string(kind)) + " n = " + std::to_string(n);
+              bool ok = true;
+              for (std::size_t i = 0; i < n && ok; ++i) ok = d[i] == want(i) && k[i] == want_int(i);
+              check(ok, "all_reduce " + what);
+              const std::size_t base = static_cast<std::size_t>(rank) * rs_out.size();
+              bool rs_ok = true;
+              for (std::size_t i = 0; i < rs_out.size() && rs_ok; ++i) rs_ok = rs_out[i] == want_int(base + i);
+              check(rs_ok, "reduce_scatter " + what);
+            }
+          }
+        },
+        120s);
+    INFO(result.describe());
+    REQUIRE(result.ok());
   }
 }
 

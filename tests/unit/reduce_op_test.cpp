@@ -143,3 +143,27 @@ TEST_CASE("reduce kinds, names and runtime dispatch") {
     CHECK(v == want);
   }
 }
+
+TEST_CASE("runtime_op: the same results as the static op it names") {
+  STATIC_REQUIRE(ddp::any_reduce_op<ddp::runtime_op>);
+  STATIC_REQUIRE(ddp::any_reduce_op<ddp::sum>);
+  // No operator(): an elementwise loop must go through with_static_op, never switch per element.
+  STATIC_REQUIRE_FALSE(ddp::reduce_op<ddp::runtime_op>);
+  for (auto k : {ddp::reduce_kind::sum, ddp::reduce_kind::avg, ddp::reduce_kind::min, ddp::reduce_kind::max,
+                 ddp::reduce_kind::prod}) {
+    const ddp::runtime_op op{k};
+    CHECK(ddp::kind_of(op) == k);
+    CHECK(ddp::with_static_op(op, [](auto s) { return decltype(s)::kind; }) == k);
+    // 3 op 4 op 5 over three contributions, against the closed form of each kind.
+    const double v = ddp::with_static_op(op, [](auto s) { return ddp::finish_reduction(s, s(s(3.0, 4.0), 5.0), 3); });
+    const double want = k == ddp::reduce_kind::sum   ? 12.0
+                        : k == ddp::reduce_kind::avg ? 4.0
+                        : k == ddp::reduce_kind::min ? 3.0
+                        : k == ddp::reduce_kind::max ? 5.0
+                                                     : 60.0;
+    CHECK(v == want);
+    // finish_reduction on the runtime op divides only for avg.
+    CHECK(ddp::finish_reduction(op, 12.0, 3) == (k == ddp::reduce_kind::avg ? 4.0 : 12.0));
+    CHECK(ddp::finish_reduction(op, std::int64_t{12}, 3) == (k == ddp::reduce_kind::avg ? 4 : 12));
+  }
+}

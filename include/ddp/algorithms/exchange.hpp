@@ -28,6 +28,22 @@ concept vectored_transport =
       t.send_recv_v(0, o, 0, i, d, [](std::size_t) {});
     };
 
+/// A non-owning reference to a progress hook. The transport's send_recv_v is compiled once for
+/// it instead of once per algorithm lambda (an indirect call per chunk costs nothing next to a
+/// syscall, and every collective of every dtype shares the transport's code).
+class progress_ref {
+ public:
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, progress_ref>)
+  progress_ref(F& f) noexcept  // NOLINT(google-explicit-constructor): a reference wrapper
+      : object_(static_cast<void*>(&f)), call_([](void* o, std::size_t received) { (*static_cast<F*>(o))(received); }) {}
+  void operator()(std::size_t received) const { call_(object_, received); }
+
+ private:
+  void* object_;
+  void (*call_)(void*, std::size_t);
+};
+
 /// Sends `out` to `to` while receiving `in` from `from`. progress(received_bytes) runs once the
 /// first incoming piece is complete and before anything after it is received (so the header in
 /// it can be checked before a payload lands in an output), and whenever the transport would wait.
@@ -35,7 +51,7 @@ template <class T, class Progress>
 void exchange(T& t, int to, std::span<const send_piece> out, int from, std::span<const recv_piece> in, deadline dl,
               Progress&& progress) {
   if constexpr (vectored_transport<T>) {
-    t.send_recv_v(to, out, from, in, dl, progress);
+    t.send_recv_v(to, out, from, in, dl, progress_ref(progress));
   } else {
     std::size_t received = 0;
     const std::size_t n = std::max(out.size(), in.size());

@@ -127,16 +127,17 @@ class hierarchical_communicator {
   /// The leaders' communicator (null unless this rank leads its host).
   Inter* leaders() noexcept { return leaders_.get(); }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void all_reduce(std::span<E> data, Op op, const collective_desc& d, deadline dl) {
-    using combine = std::conditional_t<Op::kind == reduce_kind::avg, ddp::sum, Op>;
-    const combine c{};
+    // avg combines as sum on both levels; the leaders divide once, by the world size.
+    const bool average = kind_of(op) == reduce_kind::avg;
+    const auto c = combining(op);
     guard(d, [&] {
       if (local_) level(local_note_, [&] { local_->reduce(data, 0, c, d, dl); });
       if (leaders_) {
         level(leader_note_, [&] { leaders_->all_reduce(data, c, d, dl); });
-        if constexpr (Op::kind == reduce_kind::avg) {
-          for (auto& x : data) x = narrow<E>(op.finish(widen(x), size()));
+        if (average) {
+          for (auto& x : data) x = narrow<E>(avg{}.finish(widen(x), size()));
         }
       }
       if (local_) level(local_note_, [&] { local_->broadcast(data, 0, d, dl); });
@@ -147,7 +148,7 @@ class hierarchical_communicator {
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->broadcast(data, root, d, dl); });
   }
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->reduce(data, root, op, d, dl); });
   }
@@ -155,7 +156,7 @@ class hierarchical_communicator {
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->all_gather(in, out, d, dl); });
   }
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->reduce_scatter(in, out, op, d, dl); });
   }
@@ -183,6 +184,15 @@ class hierarchical_communicator {
   }
 
  private:
+  // The op both levels combine with: sum for avg (divided once at the end), the op otherwise.
+  template <any_reduce_op Op>
+  static auto combining(Op op) noexcept {
+    if constexpr (std::is_same_v<Op, runtime_op>) {
+      return runtime_op{op.kind == reduce_kind::avg ? reduce_kind::sum : op.kind};
+    } else {
+      return std::conditional_t<Op::kind == reduce_kind::avg, ddp::sum, Op>{};
+    }
+  }
   static std::string list(const std::vector<int>& v) {
     std::string s;
     for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);

@@ -35,7 +35,7 @@ namespace detail {
 /// The reduce-scatter phase. Reads `in` (count elements), leaves rank r's block fully reduced and
 /// finished in `own` (block r's size). With `in_place` (only when E is its own accumulation type)
 /// partial sums are kept in `in` itself, which must then be writable (all_reduce's buffer).
-template <class T, dtype_like E, reduce_op Op>
+template <class T, dtype_like E, any_reduce_op Op>
 void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_place, Op op, const collective_desc& d,
                           deadline dl, const algo_options& o) {
   using W = accumulate_t<E>;
@@ -75,12 +75,15 @@ void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_
     const std::size_t a = chunk_first(len, nchunks, c), b = chunk_first(len, nchunks, c + 1);
     const W* got = rbuf[c % 2].data();
     const E* mine = in + blocks.begin(block);
-    if (s == p - 2) {  // the last step: this rank's own block is complete
-      for (std::size_t i = a; i < b; ++i) own[i] = narrow<E>(op.finish(op(got[i - a], widen(mine[i])), p));
-    } else {
-      W* dst = partial_of(s, block);
-      for (std::size_t i = a; i < b; ++i) dst[i] = op(got[i - a], widen(mine[i]));
-    }
+    const bool last = s == p - 2;  // the last step: this rank's own block is complete
+    W* dst = last ? nullptr : partial_of(s, block);
+    with_static_op(op, [&](auto sop) {
+      if (last) {
+        for (std::size_t i = a; i < b; ++i) own[i] = narrow<E>(sop.finish(sop(got[i - a], widen(mine[i])), p));
+      } else {
+        for (std::size_t i = a; i < b; ++i) dst[i] = sop(got[i - a], widen(mine[i]));
+      }
+    });
   };
   auto flush = [&] {
     if (pending.armed) {
@@ -150,7 +153,7 @@ void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadl
 }  // namespace detail
 
 /// In-place all_reduce: ring reduce-scatter, then ring all-gather.
-template <class T, dtype_like E, reduce_op Op>
+template <class T, dtype_like E, any_reduce_op Op>
 void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const block_layout blocks{data.size(), t.size()};
   const int r = t.rank();
@@ -165,7 +168,7 @@ void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, d
 }
 
 /// reduce_scatter: in = size * out; this rank gets block `rank` of the reduction.
-template <class T, dtype_like E, reduce_op Op>
+template <class T, dtype_like E, any_reduce_op Op>
 void ring_reduce_scatter(T& t, std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl,
                          const algo_options& o = {}) {
   // Equal blocks: in.size() == size * out.size(), so block_layout puts block r exactly at r * out.size().
@@ -183,7 +186,7 @@ void ring_all_gather(T& t, std::span<const E> in, std::span<E> out, const collec
 
 /// reduce to `root`: ring reduce-scatter into a scratch block, then every block goes to the root.
 /// Buffers of ranks other than the root are left unchanged.
-template <class T, dtype_like E, reduce_op Op>
+template <class T, dtype_like E, any_reduce_op Op>
 void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const int p = t.size(), r = t.rank();
   const block_layout blocks{data.size(), p};

@@ -84,7 +84,7 @@ class ring_communicator {
     return bytes <= o_.small_message_bytes / fan_out ? algorithm_choice::small_message : algorithm_choice::ring;
   }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void all_reduce(std::span<E> data, Op op, const collective_desc& d, deadline dl) {
     run(d, [&] {
       if (size() == 1) return finish_local(data, op);
@@ -101,7 +101,7 @@ class ring_communicator {
     });
   }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
     check_root(root, d);
     run(d, [&] {
@@ -123,7 +123,7 @@ class ring_communicator {
     });
   }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
     if (in.size() != out.size() * static_cast<std::size_t>(size())) {
       throw error(errc::invalid_argument, "reduce_scatter: the input holds " + std::to_string(in.size()) + " elements, expected size * output = " +
@@ -176,10 +176,10 @@ class ring_communicator {
   }
 
  private:
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   static void finish_local(std::span<E> data, Op op) {
-    if constexpr (Op::kind == reduce_kind::avg) {
-      for (auto& x : data) x = narrow<E>(op.finish(widen(x), 1));
+    if (kind_of(op) == reduce_kind::avg) {
+      for (auto& x : data) x = narrow<E>(avg{}.finish(widen(x), 1));
     }
   }
 

@@ -109,9 +109,9 @@ class shm_communicator {
     return shared_buffer<T>(std::move(a), n);
   }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void all_reduce(std::span<E> data, Op op, const collective_desc& desc, deadline dl) {
-    const auto d = canonical(desc, dtype_of<E>, data.size(), Op::kind);
+    const auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     if (size_ == 1) return;
     run(d, [&] {
       const std::uint64_t c = ++calls_;
@@ -146,10 +146,10 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void reduce(std::span<E> data, int root, Op op, const collective_desc& desc, deadline dl) {
     check_root(root, desc);
-    auto d = canonical(desc, dtype_of<E>, data.size(), Op::kind);
+    auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     d.root = root;
     if (size_ == 1) return;
     run(d, [&] {
@@ -248,10 +248,10 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E, reduce_op Op>
+  template <dtype_like E, any_reduce_op Op>
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& desc, deadline dl) {
     if (in.size() != out.size() * static_cast<std::size_t>(size_)) bad_sizes("reduce_scatter: in must hold size() * out.size() elements", in.size(), out.size(), desc);
-    const auto d = canonical(desc, dtype_of<E>, out.size(), Op::kind);
+    const auto d = canonical(desc, dtype_of<E>, out.size(), kind_of(op));
     const std::size_t n = out.size();
     if (size_ == 1) {
       if (n) std::memmove(out.data(), in.data(), out.size_bytes());

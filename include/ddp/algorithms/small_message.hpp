@@ -73,26 +73,28 @@ void direct_exchange(T& t, std::span<const E> data, direct_slots<E>& all, const 
   }
 }
 
-template <dtype_like E, reduce_op Op>
+template <dtype_like E, any_reduce_op Op>
 void reduce_in_rank_order(std::span<E> data, const direct_slots<E>& all, int p, int r, Op op) {
   const std::size_t n = data.size();
-  for (std::size_t i = 0; i < n; ++i) {
-    auto acc = widen(r == 0 ? data[i] : all.values(0)[i]);
-    for (int k = 1; k < p; ++k) acc = op(acc, widen(k == r ? data[i] : all.values(k)[i]));
-    data[i] = narrow<E>(op.finish(acc, p));
-  }
+  with_static_op(op, [&](auto sop) {
+    for (std::size_t i = 0; i < n; ++i) {
+      auto acc = widen(r == 0 ? data[i] : all.values(0)[i]);
+      for (int k = 1; k < p; ++k) acc = sop(acc, widen(k == r ? data[i] : all.values(k)[i]));
+      data[i] = narrow<E>(sop.finish(acc, p));
+    }
+  });
 }
 
 }  // namespace detail
 
-template <class T, dtype_like E, reduce_op Op>
+template <class T, dtype_like E, any_reduce_op Op>
 void direct_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl) {
   detail::direct_slots<E> all;
   detail::direct_exchange(t, std::span<const E>(data), all, d, dl);
   detail::reduce_in_rank_order(data, all, t.size(), t.rank(), op);
 }
 
-template <class T, dtype_like E, reduce_op Op>
+template <class T, dtype_like E, any_reduce_op Op>
 void direct_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
   detail::direct_slots<E> all;
   detail::direct_exchange(t, std::span<const E>(data), all, d, dl);

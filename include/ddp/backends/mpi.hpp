@@ -67,9 +67,8 @@ MPI_Datatype mpi_datatype() {
   else return MPI_UINT8_T;
 }
 
-template <reduce_op Op>
-MPI_Op mpi_op() {
-  switch (Op::kind) {
+inline MPI_Op mpi_op(reduce_kind kind) {
+  switch (kind) {
     case reduce_kind::sum:
     case reduce_kind::avg: return MPI_SUM;
     case reduce_kind::min: return MPI_MIN;
@@ -117,6 +116,8 @@ struct mpi_options {
 class mpi_backend {
  public:
   static constexpr memory_space memory = memory_space::host;
+  /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
+  static constexpr bool runtime_reductions = true;
 
   /// Works on a duplicate of `comm`, so its traffic never mixes with the user's.
   explicit mpi_backend(MPI_Comm comm = MPI_COMM_WORLD, mpi_options options = {}) : options_(options) {
@@ -141,9 +142,9 @@ class mpi_backend {
   MPI_Comm communicator() const noexcept { return comm_; }
 
   // --- the plain backend interface (sequence and deadline of its own) -------------------
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op) {
-    all_reduce(data, op, next<T>(collective::all_reduce, data.size(), Op::kind), deadline::never());
+    all_reduce(data, op, next<T>(collective::all_reduce, data.size(), kind_of(op)), deadline::never());
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root) {
@@ -153,24 +154,24 @@ class mpi_backend {
   void all_gather(std::span<const T> in, std::span<T> out) {
     all_gather(in, out, next<T>(collective::all_gather, in.size()), deadline::never());
   }
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op) {
-    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), Op::kind), deadline::never());
+    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), kind_of(op)), deadline::never());
   }
   void barrier() { barrier(next<std::uint8_t>(collective::barrier, 0), deadline::never()); }
 
   // --- the extended interface used by process_group: its fingerprint and deadline -------
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
     agree(desc, until);
     if (data.empty()) return;
     with_accumulation_buffer(data, [&](auto* buffer) {
       MPI_Request request;
-      call(MPI_Iallreduce(MPI_IN_PLACE, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op<Op>(), comm_, &request),
+      call(MPI_Iallreduce(MPI_IN_PLACE, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op(kind_of(op)), comm_, &request),
            "MPI_Iallreduce", desc);
       wait(request, desc, until);
-      if constexpr (Op::kind == reduce_kind::avg) {
-        for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = op.finish(buffer[i], size_);
+      if (kind_of(op) == reduce_kind::avg) {
+        for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = ddp::finish_reduction(op, buffer[i], size_);
       }
     });
   }
@@ -184,19 +185,19 @@ class mpi_backend {
     wait(request, desc, until);
   }
 
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
     agree(desc, until);
     if (data.empty()) return;
     with_accumulation_buffer(data, [&](auto* buffer) {
       MPI_Request request;
       void* send = rank_ == root ? MPI_IN_PLACE : static_cast<void*>(buffer);
-      call(MPI_Ireduce(send, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op<Op>(), root, comm_, &request),
+      call(MPI_Ireduce(send, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op(kind_of(op)), root, comm_, &request),
            "MPI_Ireduce", desc);
       wait(request, desc, until);
-      if constexpr (Op::kind == reduce_kind::avg) {
+      if (kind_of(op) == reduce_kind::avg) {
         if (rank_ == root)
-          for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = op.finish(buffer[i], size_);
+          for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = ddp::finish_reduction(op, buffer[i], size_);
       }
     });
   }
@@ -211,7 +212,7 @@ class mpi_backend {
     wait(request, desc, until);
   }
 
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
     agree(desc, until);
     if (out.empty()) return;
@@ -219,18 +220,18 @@ class mpi_backend {
       std::vector<float> wide(in.size()), result(out.size());
       for (std::size_t i = 0; i < in.size(); ++i) wide[i] = static_cast<float>(in[i]);
       MPI_Request request;
-      call(MPI_Ireduce_scatter_block(wide.data(), result.data(), count(out.size()), MPI_FLOAT, detail::mpi_op<Op>(), comm_, &request),
+      call(MPI_Ireduce_scatter_block(wide.data(), result.data(), count(out.size()), MPI_FLOAT, detail::mpi_op(kind_of(op)), comm_, &request),
            "MPI_Ireduce_scatter_block", desc);
       wait(request, desc, until);
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = T(op.finish(result[i], size_));
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = T(ddp::finish_reduction(op, result[i], size_));
     } else {
       MPI_Request request;
-      call(MPI_Ireduce_scatter_block(in.data(), out.data(), count(out.size()), detail::mpi_datatype<T>(), detail::mpi_op<Op>(), comm_,
+      call(MPI_Ireduce_scatter_block(in.data(), out.data(), count(out.size()), detail::mpi_datatype<T>(), detail::mpi_op(kind_of(op)), comm_,
                                      &request),
            "MPI_Ireduce_scatter_block", desc);
       wait(request, desc, until);
-      if constexpr (Op::kind == reduce_kind::avg) {
-        for (auto& v : out) v = op.finish(v, size_);
+      if (kind_of(op) == reduce_kind::avg) {
+        for (auto& v : out) v = ddp::finish_reduction(op, v, size_);
       }
     }
   }

@@ -72,9 +72,8 @@ constexpr ncclDataType_t nccl_datatype() {
   else return ncclUint8;
 }
 
-template <reduce_op Op>
-constexpr ncclRedOp_t nccl_op() {
-  switch (Op::kind) {
+constexpr ncclRedOp_t nccl_op(reduce_kind kind) {
+  switch (kind) {
     case reduce_kind::sum: return ncclSum;
     case reduce_kind::avg: return ncclAvg;
     case reduce_kind::min: return ncclMin;
@@ -95,6 +94,8 @@ struct nccl_options {
 class nccl_backend {
  public:
   static constexpr memory_space memory = memory_space::device;
+  /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
+  static constexpr bool runtime_reductions = true;
   static constexpr bool natively_async = true;
 
   nccl_backend(store::store& rendezvous, int rank, int size, nccl_options options = {},
@@ -162,45 +163,45 @@ class nccl_backend {
   ncclComm_t communicator() const noexcept { return comm_; }
 
   // --- the plain backend interface ---------------------------------------------------
-  template <dtype_like T, reduce_op Op>
-  void all_reduce(std::span<T> data, Op op) { all_reduce(data, op, next<T>(collective::all_reduce, data.size(), Op::kind), default_deadline()); }
+  template <dtype_like T, any_reduce_op Op>
+  void all_reduce(std::span<T> data, Op op) { all_reduce(data, op, next<T>(collective::all_reduce, data.size(), kind_of(op)), default_deadline()); }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root) {
     broadcast(data, root, next<T>(collective::broadcast, data.size(), reduce_kind::sum, root), default_deadline());
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out) { all_gather(in, out, next<T>(collective::all_gather, in.size()), default_deadline()); }
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op) {
-    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), Op::kind), default_deadline());
+    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), kind_of(op)), default_deadline());
   }
   void barrier() { barrier(next<std::uint8_t>(collective::barrier, 0), default_deadline()); }
 
   // --- stream-ordered enqueue + wait (the extended interface) --------------------------
-  template <dtype_like T, reduce_op Op>
-  void all_reduce(std::span<T> data, Op, const collective_desc& desc, deadline until) {
+  template <dtype_like T, any_reduce_op Op>
+  void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
     run(desc, until, [&] {
-      return ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), detail::nccl_op<Op>(), comm_, stream_);
+      return ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
     });
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
     run(desc, until, [&] { return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), root, comm_, stream_); });
   }
-  template <dtype_like T, reduce_op Op>
-  void reduce(std::span<T> data, int root, Op, const collective_desc& desc, deadline until) {
+  template <dtype_like T, any_reduce_op Op>
+  void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
     run(desc, until, [&] {
-      return ncclReduce(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), detail::nccl_op<Op>(), root, comm_, stream_);
+      return ncclReduce(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), root, comm_, stream_);
     });
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
     run(desc, until, [&] { return ncclAllGather(in.data(), out.data(), in.size(), detail::nccl_datatype<T>(), comm_, stream_); });
   }
-  template <dtype_like T, reduce_op Op>
-  void reduce_scatter(std::span<const T> in, std::span<T> out, Op, const collective_desc& desc, deadline until) {
+  template <dtype_like T, any_reduce_op Op>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
     run(desc, until, [&] {
-      return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_datatype<T>(), detail::nccl_op<Op>(), comm_, stream_);
+      return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
     });
   }
   template <dtype_like T>

@@ -141,6 +141,8 @@ class ring_backend {
  public:
   static constexpr memory_space memory = memory_space::host;
   static constexpr std::string_view name = "ring";
+  /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
+  static constexpr bool runtime_reductions = true;
 
   /// Collective over the ranks: each constructs one with the same store, size and options.
   /// `store` may be null for a world of one.
@@ -225,7 +227,7 @@ class ring_backend {
   const ring_options& options() const noexcept { return s_->options; }
 
   // --- the extended interface (process_group passes its fingerprint and deadline) ------------
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.all_reduce(data, op, d, dl); });
   }
@@ -233,7 +235,7 @@ class ring_backend {
   void broadcast(std::span<T> data, int root, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.broadcast(data, root, d, dl); });
   }
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.reduce(data, root, op, d, dl); });
   }
@@ -241,7 +243,7 @@ class ring_backend {
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.all_gather(in, out, d, dl); });
   }
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.reduce_scatter(in, out, op, d, dl); });
   }
@@ -262,25 +264,25 @@ class ring_backend {
   }
 
   // --- the plain interface (used directly, without process_group): own sequence, set-up timeout
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op) {
-    all_reduce(data, op, next<T>(collective::all_reduce, data.size(), Op::kind), plain_deadline());
+    all_reduce(data, op, next<T>(collective::all_reduce, data.size(), kind_of(op)), plain_deadline());
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root) {
     broadcast(data, root, next<T>(collective::broadcast, data.size(), reduce_kind::sum, root), plain_deadline());
   }
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op) {
-    reduce(data, root, op, next<T>(collective::reduce, data.size(), Op::kind, root), plain_deadline());
+    reduce(data, root, op, next<T>(collective::reduce, data.size(), kind_of(op), root), plain_deadline());
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out) {
     all_gather(in, out, next<T>(collective::all_gather, in.size()), plain_deadline());
   }
-  template <dtype_like T, reduce_op Op>
+  template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op) {
-    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), Op::kind), plain_deadline());
+    reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), kind_of(op)), plain_deadline());
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out) {

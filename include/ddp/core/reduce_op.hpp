@@ -9,6 +9,7 @@
 #include <concepts>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 #include "ddp/core/dtype.hpp"
 
@@ -112,6 +113,40 @@ constexpr decltype(auto) visit_reduce_kind(reduce_kind k, F&& f) {
     case reduce_kind::prod: break;
   }
   return f(prod{});
+}
+
+/// A reduction chosen at run time. ddp::group passes one to backends that declare
+/// `runtime_reductions` (ring, MPI, NCCL), so that a program using init_process_group compiles
+/// each reducing collective once per dtype instead of once per (dtype, reduction): the
+/// collectives' code is the same for every kind, only the elementwise loops differ. Those loops
+/// take it through with_static_op(), which switches once per range, never per element; it has
+/// no operator() so that a loop that forgot to do so does not compile.
+struct runtime_op {
+  reduce_kind kind = reduce_kind::sum;
+};
+
+/// A static reduce operation or a runtime_op.
+template <class Op>
+concept any_reduce_op = reduce_op<Op> || std::same_as<Op, runtime_op>;
+
+/// f(op) with the static function object: op itself, or the one runtime_op names.
+template <any_reduce_op Op, class F>
+constexpr decltype(auto) with_static_op(const Op& op, F&& f) {
+  if constexpr (std::same_as<Op, runtime_op>) return visit_reduce_kind(op.kind, std::forward<F>(f));
+  else return f(op);
+}
+
+/// The kind of a static op or a runtime_op.
+template <any_reduce_op Op>
+constexpr reduce_kind kind_of(const Op& op) noexcept {
+  return op.kind;
+}
+
+/// op.finish(value, contributions) for a static op or a runtime_op (only avg changes the value).
+template <any_reduce_op Op, class T>
+constexpr T finish_reduction(const Op& op, T value, int contributions) noexcept {
+  if constexpr (std::same_as<Op, runtime_op>) return op.kind == reduce_kind::avg ? avg{}.finish(value, contributions) : value;
+  else return op.finish(value, contributions);
 }
 
 }  // namespace ddp

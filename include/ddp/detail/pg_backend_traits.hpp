@@ -7,7 +7,8 @@
 //  - reduce, all_to_all, send/recv (optional collectives);
 //  - split(ranks, tag) -> B: a backend over a subset of the ranks (new_group);
 //  - allocate<T>(n): memory that every same-host rank can address;
-//  - missing_ranks(): after abort(), the ranks that had not joined the collective.
+//  - missing_ranks(): after abort(), the ranks that had not joined the collective;
+//  - runtime_reductions: reducing collectives take a ddp::runtime_op (one instantiation for all kinds).
 
 #include <cstddef>
 #include <span>
@@ -63,6 +64,9 @@ template <class B>
 concept pg_has_missing_ranks = requires(const B& b) {
   { b.missing_ranks() } -> std::convertible_to<std::vector<int>>;
 };
+/// The backend's reducing collectives accept a ddp::runtime_op (B::runtime_reductions).
+template <class B>
+concept pg_runtime_reductions = requires { requires B::runtime_reductions; };
 template <class B>
 concept pg_has_name = requires { { B::name } -> std::convertible_to<std::string_view>; };
 

@@ -3,7 +3,9 @@
 //
 // A call crosses the interface as (collective, dtype, reduce_kind, pointers, counts, root);
 // the model switches on dtype and reduce_kind back to the typed process_group call, so the
-// argument checks, sequencing and async queue are exactly those of process_group.
+// argument checks, sequencing and async queue are exactly those of process_group. A backend
+// that declares `runtime_reductions` gets the reduction as a ddp::runtime_op instead of a
+// switch over the five static ops: each reducing collective is then compiled once per dtype.
 
 #include <cstddef>
 #include <memory>
@@ -179,7 +181,9 @@ class pg_group_model final : public pg_group_interface {
 
   template <class T, class F>
   work reducing(const pg_erased_call& c, F&& f) {
-    return visit_reduce_kind(c.reduction, [&](auto op) -> work {
+    // One instantiation for every reduction where the backend takes it at run time.
+    if constexpr (pg_runtime_reductions<B>) return f(runtime_op{c.reduction});
+    else return visit_reduce_kind(c.reduction, [&](auto op) -> work {
       if constexpr (!supports_op_v<B, decltype(op)>) {
         throw error(errc::invalid_argument,
                     "backend '" + std::string(backend_name()) + "' does not support the reduction " + std::string(to_string(c.reduction)),
