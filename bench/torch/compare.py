@@ -32,8 +32,10 @@ JOBS = {
     "compute-bound": COMPUTE_BOUND,
     # The same job with Eigen's GEMM on the ddp side: fast for large shapes, not PyTorch's bits.
     "compute-bound-eigen": COMPUTE_BOUND,
+    # The same job with the fused host training step (--gemm fast): not PyTorch's bits either.
+    "compute-bound-fast": COMPUTE_BOUND,
 }
-DDP_ONLY_ARGS = {"compute-bound-eigen": ["--gemm", "eigen"]}
+DDP_ONLY_ARGS = {"compute-bound-eigen": ["--gemm", "eigen"], "compute-bound-fast": ["--gemm", "fast"]}
 
 
 def parse():
