@@ -125,29 +125,42 @@ TEST_CASE("tcp: two ranks exchange 16 MiB with each other on one connection with
   });
 }
 
-TEST_CASE("tcp: a recv nobody answers fails with timeout at its deadline") {
+namespace {
+
+// Rank 0 receives 16 bytes that rank 1 never sends (rank 1 keeps the connection open until rank 0
+// is done): the recv must fail with errc::timeout at its 300 ms deadline. Returns the error text.
+std::string expect_recv_timeout(const ddp::tcp_options& o, const std::string& prefix) {
   ddp::store::hash_store store;
   std::latch done(2);
+  std::string what;
   run_threads(2, [&](int r) {
-    ddp::tcp_transport t(store, r, 2, "timeout", short_setup());
-    if (r == 0) {
-      std::byte buf[16];
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        t.recv(1, buf, ddp::deadline::after(300ms));
-        done.count_down();
-        throw std::runtime_error("recv returned without data");
-      } catch (const ddp::error& e) {
-        const auto took = std::chrono::steady_clock::now() - start;
-        done.count_down();
-        if (e.code() != ddp::errc::timeout) throw;
-        if (took < 290ms || took > 3s) throw std::runtime_error("timeout fired after " + std::to_string(took.count()) + " ns");
-        if (std::string(e.what()).find("received 0 of 16 bytes from rank 1") == std::string::npos) throw std::runtime_error(e.what());
-      }
-    } else {
-      done.arrive_and_wait();  // keep the connection open until rank 0 is done
+    ddp::tcp_transport t(store, r, 2, prefix, o);
+    if (r == 1) {
+      done.arrive_and_wait();
+      return;
+    }
+    std::byte buf[16];
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      t.recv(1, buf, ddp::deadline::after(300ms));
+      done.count_down();
+      throw std::runtime_error("recv returned without data");
+    } catch (const ddp::error& e) {
+      const auto took = std::chrono::steady_clock::now() - start;
+      done.count_down();
+      if (e.code() != ddp::errc::timeout) throw;
+      if (took < 290ms || took > 3s) throw std::runtime_error("timeout fired after " + std::to_string(took.count()) + " ns");
+      what = e.what();
     }
   });
+  return what;
+}
+
+}  // namespace
+
+TEST_CASE("tcp: a recv nobody answers fails with timeout at its deadline") {
+  const std::string what = expect_recv_timeout(short_setup(), "timeout");
+  CHECK(what.find("received 0 of 16 bytes from rank 1") != std::string::npos);
 }
 
 TEST_CASE("tcp: a peer that goes away is peer_lost naming it, at once") {
@@ -408,29 +421,9 @@ TEST_CASE("tcp: small exchanges with and without spinning deliver every byte") {
 }
 
 TEST_CASE("tcp: a spin longer than the deadline still ends at the deadline") {
-  ddp::store::hash_store store;
-  std::latch done(2);
   auto o = short_setup();
   o.spin = 10s;  // every wait would spin past the deadline if the deadline did not bound it
-  run_threads(2, [&](int r) {
-    ddp::tcp_transport t(store, r, 2, "spin-deadline", o);
-    if (r == 1) {
-      done.arrive_and_wait();
-      return;
-    }
-    std::byte buf[16];
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      t.recv(1, buf, ddp::deadline::after(300ms));
-      done.count_down();
-      throw std::runtime_error("recv returned without data");
-    } catch (const ddp::error& e) {
-      const auto took = std::chrono::steady_clock::now() - start;
-      done.count_down();
-      if (e.code() != ddp::errc::timeout) throw;
-      if (took < 290ms || took > 3s) throw std::runtime_error("timeout fired after " + std::to_string(took.count()) + " ns");
-    }
-  });
+  expect_recv_timeout(o, "spin-deadline");
 }
 
 TEST_CASE("tcp: abort() from another thread ends a spinning recv promptly") {

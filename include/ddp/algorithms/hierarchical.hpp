@@ -137,7 +137,7 @@ class hierarchical_communicator {
       if (leaders_) {
         level(leader_note_, [&] { leaders_->all_reduce(data, c, d, dl); });
         if (average) {
-          for (auto& x : data) x = narrow<E>(avg{}.finish(widen(x), size()));
+          for (auto& x : data) x = narrow<E>(finish_reduction(op, widen(x), size()));
         }
       }
       if (local_) level(local_note_, [&] { local_->broadcast(data, 0, d, dl); });

@@ -179,7 +179,7 @@ class ring_communicator {
   template <dtype_like E, any_reduce_op Op>
   static void finish_local(std::span<E> data, Op op) {
     if (kind_of(op) == reduce_kind::avg) {
-      for (auto& x : data) x = narrow<E>(avg{}.finish(widen(x), 1));
+      for (auto& x : data) x = narrow<E>(finish_reduction(op, widen(x), 1));
     }
   }
 

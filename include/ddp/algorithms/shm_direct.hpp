@@ -105,20 +105,7 @@ inline E from_acc(accumulate_t<E> x) noexcept {
   else return static_cast<E>(x);
 }
 
-template <class E, class Op>
-void fold_static(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept;
-
-/// dst[d][i] = the reduction of srcs[0..p)[i] for i < n, for every destination d. Destinations
-/// may be sources (each block is read completely before it is written).
-template <class E, class Op>
-void fold(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept {
-  if constexpr (std::is_same_v<Op, runtime_op>) {
-    visit_reduce_kind(op.kind, [&](auto sop) { fold(srcs, p, dsts, ndst, n, sop); });
-  } else {
-    fold_static(srcs, p, dsts, ndst, n, op);
-  }
-}
-
+// fold() with a static op.
 template <class E, class Op>
 void fold_static(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept {
   using A = accumulate_t<E>;
@@ -144,6 +131,13 @@ void fold_static(const E* const* srcs, int p, E* const* dsts, int ndst, std::siz
         for (std::size_t i = 0; i < m; ++i) out[i] = from_acc<E>(tmp[i]);
     }
   }
+}
+
+/// dst[d][i] = the reduction of srcs[0..p)[i] for i < n, for every destination d. Destinations
+/// may be sources (each block is read completely before it is written).
+template <class E, class Op>
+void fold(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept {
+  with_static_op(op, [&](auto s) { fold_static(srcs, p, dsts, ndst, n, s); });
 }
 
 }  // namespace ddp::algo::shm_direct
