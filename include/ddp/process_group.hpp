@@ -49,6 +49,7 @@
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/detail/pg_backend_traits.hpp"
 #include "ddp/detail/pg_watchdog.hpp"
 #include "ddp/work.hpp"
@@ -359,6 +360,10 @@ class process_group {
 
  private:
   using runner = std::function<void(const collective_desc&, deadline)>;
+  // What execute_on calls: any of the *_call lambdas, by reference, so that execution (error
+  // wrapping, watchdog, statistics) is compiled once per backend rather than once per
+  // collective x element type x reduction, and a blocking call still allocates nothing.
+  using runner_ref = detail::function_ref<void(const collective_desc&, deadline)>;
 
   struct task {
     collective_desc desc;
@@ -645,9 +650,7 @@ class process_group {
   error fail_fast(const collective_desc& desc) const { return fail_fast_of(*s_, desc); }
 
   // A blocking call: after the queued collectives, on this thread.
-  // The callable stays a template here (no std::function, no allocation on the latency path).
-  template <class F>
-  void run(collective_desc desc, std::size_t bytes, const F& fn) {
+  void run(collective_desc desc, std::size_t bytes, runner_ref fn) {
     state& s = *s_;
     {
       std::unique_lock lock(s.mutex);
@@ -727,8 +730,7 @@ class process_group {
     }
   }
 
-  template <class F>
-  static void execute_on(state& s, const collective_desc& desc, std::size_t bytes, const F& fn, detail::work_state* ws) {
+  static void execute_on(state& s, const collective_desc& desc, std::size_t bytes, runner_ref fn, detail::work_state* ws) {
     const std::chrono::milliseconds timeout(s.timeout_ms.load(std::memory_order_relaxed));
     const auto start = clock::now();  // one clock read for the deadline, the watchdog and the statistics
     const deadline until = after(start, timeout);

@@ -39,6 +39,10 @@
 #include "ddp/parameters.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_data_parallel_mp {
+
 using namespace std::chrono_literals;
 
 #ifndef DDP_TEST_HAVE_RING
@@ -402,3 +406,5 @@ TEST_CASE("data_parallel_mp: a killed peer is noticed by finish() on the survivo
 }
 
 #endif
+
+}  // namespace ddp_test_data_parallel_mp

@@ -19,6 +19,10 @@
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_hierarchical {
+
 using namespace std::chrono_literals;
 using ddp::test::check;
 using hier = ddp::ring_options::hierarchy_kind;
@@ -378,3 +382,5 @@ TEST_CASE("hierarchical: a rank that does not arrive fails the others at the gro
   for (const auto& r : result.ranks) timeouts += r.output.find("timeout") != std::string::npos || r.output.find("deadline") != std::string::npos ? 1 : 0;
   CHECK(timeouts >= 1);
 }
+
+}  // namespace ddp_test_hierarchical

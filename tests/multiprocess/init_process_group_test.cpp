@@ -19,6 +19,10 @@
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_init_process_group {
+
 using namespace std::chrono_literals;
 using ddp::test::check;
 
@@ -246,3 +250,5 @@ TEST_CASE("init_process_group: a bad environment is one clear error naming the v
   INFO(result.describe());
   REQUIRE(result.ok());
 }
+
+}  // namespace ddp_test_init_process_group

@@ -18,6 +18,10 @@
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_ring_backend {
+
 using namespace std::chrono_literals;
 using ddp::test::check;
 using kind = ddp::ring_options::transport_kind;
@@ -307,3 +311,5 @@ TEST_CASE("ring_backend: allocate gives shared memory on shm and heap memory on 
     REQUIRE(result.ok());
   }
 }
+
+}  // namespace ddp_test_ring_backend

@@ -22,6 +22,10 @@
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_shm_bench {
+
 using namespace std::chrono_literals;
 
 namespace {
@@ -137,3 +141,5 @@ TEST_CASE("shm bench: all_reduce float32 sum, probe vs group vs user buffers", "
   INFO(result.describe());
   CHECK(result.ok());
 }
+
+}  // namespace ddp_test_shm_bench

@@ -22,6 +22,10 @@
 #include "ddp/store/hash_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_shm_collectives {
+
 using namespace std::chrono_literals;
 using ddp::collective;
 using ddp::reduce_kind;
@@ -455,3 +459,5 @@ TEST_CASE("shm collectives: a group of one copies only") {
   CHECK(shared.size() == 10);
   for (double x : shared) CHECK(x == 0.0);
 }
+
+}  // namespace ddp_test_shm_collectives

@@ -21,6 +21,10 @@
 #include "ddp/transport/shm.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_shm_failure {
+
 using namespace std::chrono_literals;
 using ddp::collective;
 using comm_t = ddp::algo::shm_communicator;
@@ -371,3 +375,5 @@ TEST_CASE("shm failure: a peer that finished its part and exited is no failure f
   CHECK(run.ok());
   CHECK(shm_entries(prefix.substr(0, prefix.size() - 1) + "_").empty());
 }
+
+}  // namespace ddp_test_shm_failure

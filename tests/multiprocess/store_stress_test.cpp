@@ -18,6 +18,10 @@
 #include "ddp/store/tcp_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_store_stress {
+
 using namespace std::chrono_literals;
 using ddp::test::check;
 
@@ -168,3 +172,5 @@ TEST_CASE("store stress: 8 client processes x 10,000 mixed operations on a file_
   ddp::store::file_store s(path, {.timeout = 5s, .remove_on_destroy = true});
   check_totals(s, ops, sum_swaps(r));
 }
+
+}  // namespace ddp_test_store_stress

@@ -16,6 +16,10 @@
 #include "ddp/transport/tcp.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_tcp_collectives {
+
 using namespace std::chrono_literals;
 using ddp::test::check;
 
@@ -231,3 +235,5 @@ TEST_CASE("tcp processes: a rank that never arrives makes the other time out at 
   INFO(result.describe());
   CHECK(result.ok());
 }
+
+}  // namespace ddp_test_tcp_collectives

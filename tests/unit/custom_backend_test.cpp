@@ -17,6 +17,10 @@
 #include "ddp/store/hash_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_custom_backend {
+
 using namespace std::chrono_literals;
 using ddp::test::check;
 using group_t = ddp::process_group<example::store_backend>;
@@ -132,3 +136,5 @@ TEST_CASE("custom backend: the watchdog aborts it when a rank never arrives") {
   CHECK(std::chrono::steady_clock::now() - start < 5s);
   CHECK_THROWS_AS(g.barrier(), ddp::error);  // broken from now on
 }
+
+}  // namespace ddp_test_custom_backend

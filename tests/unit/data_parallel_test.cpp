@@ -28,6 +28,10 @@
 #define DDP_TEST_HAVE_EIGEN 1
 #endif
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_data_parallel {
+
 using namespace std::chrono_literals;
 
 namespace {
@@ -1089,3 +1093,5 @@ TEST_CASE("ddp: Eigen matrices are synchronized like any other parameters", "[dd
   CHECK(joined(errors) == "");
 }
 #endif
+
+}  // namespace ddp_test_data_parallel

@@ -15,6 +15,10 @@
 
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_deadline {
+
 using namespace std::chrono_literals;
 
 TEST_CASE("deadline::never never expires") {
@@ -132,3 +136,5 @@ TEST_CASE("DDP_TIMEOUT sets the default timeout, bad values name the variable") 
     if (!result.ok()) WARN(result.describe());
   }
 }
+
+}  // namespace ddp_test_deadline

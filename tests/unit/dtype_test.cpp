@@ -17,6 +17,10 @@
 #include <string>
 #include <vector>
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_dtype {
+
 namespace {
 
 // Sanitizers make the loops ~10x slower: walk the float32 space with a bigger stride there.
@@ -294,3 +298,5 @@ TEST_CASE("dtype names, sizes and traits") {
   CHECK_FALSE(ddp::float16(NAN) == ddp::float16(NAN));
   CHECK(ddp::bfloat16(0.0f) == ddp::bfloat16(-0.0f));
 }
+
+}  // namespace ddp_test_dtype

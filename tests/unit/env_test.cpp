@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_env {
+
 namespace {
 
 using vars = std::map<std::string, std::string>;
@@ -258,3 +262,5 @@ TEST_CASE("from_environment with the real environment reads ::getenv") {
     CHECK(e.code() == ddp::errc::config);
   }
 }
+
+}  // namespace ddp_test_env

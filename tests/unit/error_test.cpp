@@ -2,6 +2,10 @@
 
 #include <catch2/catch.hpp>
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_error {
+
 TEST_CASE("error::what names rank, collective, sequence and cause") {
   const ddp::error e(ddp::errc::peer_lost, "peer rank 1 closed the connection",
                      {.rank = 0, .op = "all_reduce", .seq = 17, .detail = "float32 x 1024, sum"});
@@ -33,3 +37,5 @@ TEST_CASE("error derives from std::runtime_error") {
     CHECK(std::string(e.what()).find("server gone") != std::string::npos);
   }
 }
+
+}  // namespace ddp_test_error

@@ -13,6 +13,10 @@
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_file_store {
+
 using namespace std::chrono_literals;
 using ddp::store::file_store;
 
@@ -191,3 +195,5 @@ TEST_CASE("file_store: no file descriptor leaks, and remove_on_destroy unlinks t
   struct stat st {};
   CHECK(::stat(tmp.path.c_str(), &st) != 0);
 }
+
+}  // namespace ddp_test_file_store

@@ -16,6 +16,10 @@
 #include "ddp/store/hash_store.hpp"
 #include "ddp/store/tcp_store.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_hash_store {
+
 using namespace std::chrono_literals;
 using ddp::store::store;
 using ddp::store::to_bytes;
@@ -276,3 +280,5 @@ TEST_CASE("hash_store: models key_value_store and is shared by reference") {
   CHECK(s.get_string("k") == "v");
   CHECK(s.timeout() == 50ms);
 }
+
+}  // namespace ddp_test_hash_store

@@ -16,6 +16,10 @@
 
 #include "scripts/launch_worker.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_launch {
+
 using namespace std::chrono_literals;
 
 namespace {
@@ -351,3 +355,5 @@ TEST_CASE("spawn: an executable file that execve rejects is a failure with exit 
   CHECK(result.failed == 0);
   CHECK_THAT(text, Catch::Contains("ddprun: rank 0: cannot execute '" + garbage + "': Exec format error"));
 }
+
+}  // namespace ddp_test_launch

@@ -7,6 +7,10 @@
 
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_multiprocess_harness {
+
 using namespace std::chrono_literals;
 
 TEST_CASE("harness: every rank runs and succeeds") {
@@ -42,3 +46,5 @@ TEST_CASE("harness: a hung rank is killed at the deadline") {
   CHECK(r.ranks[1].timed_out);
   CHECK(r.ranks[1].signal == SIGKILL);
 }
+
+}  // namespace ddp_test_multiprocess_harness

@@ -27,6 +27,10 @@
 #define DDP_TEST_HAVE_THRUST 1
 #endif
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_parameters {
+
 namespace user {
 // Found by ADL.
 struct mlp {
@@ -52,12 +56,17 @@ struct opaque {
 };
 }  // namespace user
 
+}  // namespace ddp_test_parameters
+
+// A specialization belongs to the namespace of its template.
 template <>
-struct ddp::parameter_traits<user::legacy> {
-  static std::vector<parameter_ref> parameters(user::legacy& m) {
+struct ddp::parameter_traits<ddp_test_parameters::user::legacy> {
+  static std::vector<parameter_ref> parameters(ddp_test_parameters::user::legacy& m) {
     return {make_parameter(std::span(m.value), std::span(m.grad), {2, 2}, "legacy.w")};
   }
 };
+
+namespace ddp_test_parameters {
 
 // --- the concept, at compile time -----------------------------------------------------------
 
@@ -270,3 +279,5 @@ TEST_CASE("parameters: a std::list model is rejected at compile time with a read
   CHECK(output.find("is not a ddp::parameter_container") != std::string::npos);
   CHECK(output.find("std::list cannot be reduced") != std::string::npos);
 }
+
+}  // namespace ddp_test_parameters

@@ -20,6 +20,10 @@
 #include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_process_group {
+
 using namespace std::chrono_literals;
 
 namespace {
@@ -737,3 +741,5 @@ TEST_CASE("process_group: send/recv on a backend without them is errc::unavailab
   }
   CHECK(g.next_sequence() == 0);
 }
+
+}  // namespace ddp_test_process_group

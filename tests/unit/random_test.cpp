@@ -19,6 +19,10 @@
 
 #include <nlohmann/json.hpp>
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_random {
+
 namespace {
 
 using nlohmann::json;
@@ -431,3 +435,5 @@ TEST_CASE("uniform rejects from > to like torch") {
   CHECK(gen == ddp::torch_generator{0});  // nothing drawn
   CHECK(ddp::uniform(2, 0.5, 0.5, gen) == std::vector<float>{0.5f, 0.5f});
 }
+
+}  // namespace ddp_test_random

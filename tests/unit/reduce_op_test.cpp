@@ -10,6 +10,10 @@
 #include <limits>
 #include <vector>
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_reduce_op {
+
 namespace {
 
 template <class T>
@@ -167,3 +171,5 @@ TEST_CASE("runtime_op: the same results as the static op it names") {
     CHECK(ddp::finish_reduction(op, std::int64_t{12}, 3) == (k == ddp::reduce_kind::avg ? 4 : 12));
   }
 }
+
+}  // namespace ddp_test_reduce_op

@@ -20,6 +20,10 @@
 #include "ddp/store/hash_store.hpp"
 #include "ddp/transport/tcp.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_ring_algorithms {
+
 using namespace std::chrono_literals;
 using ddp::algo::algorithm_choice;
 using comm_t = ddp::algo::ring_communicator<ddp::tcp_transport&>;
@@ -600,3 +604,5 @@ TEST_CASE("ring: abort() from another thread unblocks a collective promptly") {
     if (took > 2s) throw std::runtime_error("abort took too long");
   });
 }
+
+}  // namespace ddp_test_ring_algorithms

@@ -17,6 +17,10 @@
 
 #include <nlohmann/json.hpp>
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_sampler {
+
 namespace {
 
 using nlohmann::json;
@@ -425,3 +429,5 @@ TEST_CASE("shard_indices of 0..n-1 equals the unshuffled sampler for every W and
           CHECK(ddp::shard_indices(base, w, r, drop_last) == s.indices());
         }
 }
+
+}  // namespace ddp_test_sampler

@@ -15,6 +15,10 @@
 #include "ddp/store/hash_store.hpp"
 #include "ddp/transport/shm.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_shm_transport {
+
 using namespace std::chrono_literals;
 
 namespace {
@@ -197,3 +201,5 @@ TEST_CASE("shm transport: bad arguments are errc::invalid_argument") {
     CHECK(e.code() == ddp::errc::invalid_argument);
   }
 }
+
+}  // namespace ddp_test_shm_transport

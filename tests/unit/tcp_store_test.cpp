@@ -20,6 +20,10 @@
 #include "ddp/store/tcp_store.hpp"
 #include "support/multiprocess.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_tcp_store {
+
 using namespace std::chrono_literals;
 namespace ds = ddp::store::detail;
 using ddp::store::tcp_store;
@@ -701,3 +705,5 @@ TEST_CASE("tcp_store: one client shared by threads keeps answers matched to thei
   CHECK(wrong == 0);
   CHECK(c.add("total", 0) == threads * per_thread);
 }
+
+}  // namespace ddp_test_tcp_store

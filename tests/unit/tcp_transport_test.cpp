@@ -20,6 +20,10 @@
 #include "ddp/store/hash_store.hpp"
 #include "ddp/transport/tcp.hpp"
 
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_tcp_transport {
+
 using namespace std::chrono_literals;
 
 namespace {
@@ -459,3 +463,5 @@ TEST_CASE("tcp: abort() from another thread ends a spinning recv promptly") {
     if (took > 2s) throw std::runtime_error("abort took too long to end the spin");
   });
 }
+
+}  // namespace ddp_test_tcp_transport

@@ -39,6 +39,7 @@
 #include "ddp/algorithms/exchange.hpp"
 #include "ddp/algorithms/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
@@ -200,8 +201,7 @@ class hierarchical_communicator {
   }
 
   // Runs one level; its error gets the level's note (its rank numbers are that level's).
-  template <class F>
-  void level(const std::string& note, F&& body) {
+  void level(const std::string& note, ddp::detail::function_ref<void()> body) {
     try {
       body();
     } catch (const error& e) {
@@ -210,9 +210,9 @@ class hierarchical_communicator {
   }
 
   // One collective: the first error aborts every level, is kept, and is rethrown with this
-  // rank's global number; later calls fail at once.
-  template <class F>
-  void guard(const collective_desc& d, F&& body) {
+  // rank's global number; later calls fail at once. Not a template over the body: compiled
+  // once, not once per collective x element type.
+  void guard(const collective_desc& d, ddp::detail::function_ref<void()> body) {
     if (failed_) {
       throw error(failed_->first == errc::mismatch ? errc::mismatch : errc::peer_lost,
                   "the communicator is unusable after an earlier failure: " + failed_->second, d.context(rank()));

@@ -32,6 +32,7 @@
 #include "ddp/algorithms/ring.hpp"
 #include "ddp/algorithms/small_message.hpp"
 #include "ddp/core/collective.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -196,8 +197,8 @@ class ring_communicator {
     }
   }
 
-  template <class F>
-  void run(const collective_desc& d, F&& body) {
+  // Not a template over the body: compiled once, not once per collective x element type.
+  void run(const collective_desc& d, ddp::detail::function_ref<void()> body) {
     if (!failure_.empty()) {
       throw error(errc::peer_lost, "the communicator is unusable after an earlier failure: " + failure_, d.context(rank()));
     }

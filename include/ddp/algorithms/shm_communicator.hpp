@@ -35,6 +35,7 @@
 
 #include "ddp/algorithms/shm_direct.hpp"
 #include "ddp/core/collective.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
@@ -439,9 +440,9 @@ class shm_communicator {
   }
 
   // Runs one collective; any failure leaves the communicator unusable, and all but a mismatch
-  // (which every rank sees for itself) abort it for the peers.
-  template <class F>
-  void run(const collective_desc& d, F&& body, bool abort_on_any = false) {
+  // (which every rank sees for itself) abort it for the peers. Not a template over the body:
+  // compiled once, not once per collective x element type.
+  void run(const collective_desc& d, ddp::detail::function_ref<void()> body, bool abort_on_any = false) {
     if (failed_) {
       throw error(failed_->code(), "this communicator failed in an earlier call (" + failed_->message() + ") and cannot be used", d.context(rank_));
     }
