@@ -18,6 +18,7 @@
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
+#include "support/sizes.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -90,7 +91,7 @@ void sweep(int hosts, int per_host) {
         ddp::process_group<ddp::ring_backend> g(make_backend(file.path, rank, host_of), {.timeout = 60s});
         check(g.backend().hierarchical() && g.backend().transport_name() == "shm+tcp", "automatic picks hierarchical");
         check(g.backend().hosts() == hosts, "host count");
-        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1023}, (std::size_t{1} << 20) + 3}) {
+        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1023}, ddp::test::large_count}) {
           check_all_reduce<float>(g, n);
           check_all_reduce<double>(g, n);
           check_all_reduce<std::int64_t>(g, n);

@@ -17,6 +17,7 @@
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
+#include "support/sizes.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -167,7 +168,7 @@ void sweep(kind transport, int p) {
           all_dtypes<float, double, ddp::float16, ddp::bfloat16, std::int32_t, std::int64_t, std::uint8_t>(g, n);
         }
         // one large buffer: many chunks of the pipelined ring
-        std::vector<float> big((std::size_t{1} << 20) + 3);
+        std::vector<float> big(ddp::test::large_count);
         for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>((i + static_cast<std::size_t>(rank)) % 1000);
         g.all_reduce(big);
         for (std::size_t i = 0; i < big.size(); ++i) {

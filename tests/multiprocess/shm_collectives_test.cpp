@@ -21,6 +21,7 @@
 #include "ddp/store/file_store.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "support/multiprocess.hpp"
+#include "support/sizes.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -33,7 +34,7 @@ using comm_t = ddp::algo::shm_communicator;
 
 namespace {
 
-const std::vector<std::size_t> all_sizes = {0, 1, 7, 1023, (std::size_t{1} << 20) + 3};
+const std::vector<std::size_t> all_sizes = {0, 1, 7, 1023, ddp::test::large_count};
 const std::vector<int> group_sizes = {1, 2, 3, 4, 8};
 
 std::vector<std::string> shm_entries(const std::string& needle) {

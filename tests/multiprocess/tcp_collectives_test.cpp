@@ -15,6 +15,7 @@
 #include "ddp/store/file_store.hpp"
 #include "ddp/transport/tcp.hpp"
 #include "support/multiprocess.hpp"
+#include "support/sizes.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -102,7 +103,7 @@ TEST_CASE("tcp processes: collectives match independent references at p = 3 and 
           ddp::algo::ring_communicator<ddp::tcp_transport&> c(t);
           const auto dl = [] { return ddp::deadline::after(60s); };
           std::uint64_t seq = 0;
-          for (std::size_t n : {std::size_t{0}, std::size_t{7}, std::size_t{1023}, (std::size_t{1} << 20) + 3}) {
+          for (std::size_t n : {std::size_t{0}, std::size_t{7}, std::size_t{1023}, ddp::test::large_count}) {
             std::vector<float> f(n);
             std::vector<std::int64_t> l(n);
             for (std::size_t i = 0; i < n; ++i) f[i] = static_cast<float>(input(r, i) * 0.25), l[i] = static_cast<std::int64_t>(input(r, i));

@@ -19,6 +19,7 @@
 #include "ddp/algorithms/ring_communicator.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "ddp/transport/tcp.hpp"
+#include "support/sizes.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -346,25 +347,25 @@ TEST_CASE("ring: every collective, dtype and op at sizes 0, 1, 7, 1023 for p = 1
   }
 }
 
-TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 2") {
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements (2^16 + 3 under sanitizers), p = 2") {
   try {
-    run_matrix(2, {(std::size_t{1} << 20) + 3}, false, "big2");
+    run_matrix(2, {ddp::test::large_count}, false, "big2");
   } catch (const std::exception& e) {
     FAIL(e.what());
   }
 }
 
-TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 3") {
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements (2^16 + 3 under sanitizers), p = 3") {
   try {
-    run_matrix(3, {(std::size_t{1} << 20) + 3}, false, "big3");
+    run_matrix(3, {ddp::test::large_count}, false, "big3");
   } catch (const std::exception& e) {
     FAIL(e.what());
   }
 }
 
-TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements, p = 4") {
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements (2^16 + 3 under sanitizers), p = 4") {
   try {
-    run_matrix(4, {(std::size_t{1} << 20) + 3}, false, "big4");
+    run_matrix(4, {ddp::test::large_count}, false, "big4");
   } catch (const std::exception& e) {
     FAIL(e.what());
   }
