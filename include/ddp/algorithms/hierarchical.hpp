@@ -145,7 +145,7 @@ class hierarchical_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->broadcast(data, root, d, dl); });
   }
@@ -153,7 +153,7 @@ class hierarchical_communicator {
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->reduce(data, root, op, d, dl); });
   }
-  template <dtype_like E>
+  template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->all_gather(in, out, d, dl); });
   }
@@ -161,18 +161,18 @@ class hierarchical_communicator {
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->reduce_scatter(in, out, op, d, dl); });
   }
-  template <dtype_like E>
+  template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->all_to_all(in, out, d, dl); });
   }
   void barrier(const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->barrier(d, dl); });
   }
-  template <dtype_like E>
+  template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->send(data, peer, d, dl); });
   }
-  template <dtype_like E>
+  template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->recv(data, peer, d, dl); });
   }

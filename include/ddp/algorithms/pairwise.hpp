@@ -20,7 +20,7 @@
 namespace ddp::algo {
 
 /// in and out hold p equal blocks; block k of `in` goes to rank k, block k of `out` comes from rank k.
-template <class T, dtype_like E>
+template <class T, movable_element E>
 void pairwise_all_to_all(T& t, std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
   const int p = t.size(), r = t.rank();
   const std::size_t b = in.size() / static_cast<std::size_t>(p);
@@ -48,14 +48,14 @@ inline collective_desc p2p_desc(const collective_desc& d) {
 }
 }  // namespace detail
 
-template <class T, dtype_like E>
+template <class T, movable_element E>
 void send(T& t, std::span<const E> data, int peer, const collective_desc& d, deadline dl) {
   const wire_header h = wire_header::encode(detail::p2p_desc(d));
   const send_piece o[2] = {send_piece(reinterpret_cast<const std::byte*>(h.bytes), wire_header::size), bytes_of(data.data(), data.size())};
   exchange(t, peer, std::span<const send_piece>(o), -1, {}, dl, [](std::size_t) {});
 }
 
-template <class T, dtype_like E>
+template <class T, movable_element E>
 void recv(T& t, std::span<E> data, int peer, const collective_desc& d, deadline dl) {
   const collective_desc mine = detail::p2p_desc(d);
   wire_header h;

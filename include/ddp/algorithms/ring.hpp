@@ -122,7 +122,7 @@ void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_
 
 /// The all-gather phase over `data` (count elements, block r filled): afterwards every block is.
 /// `hdr` non-null: the header travels with the first chunk (all_gather as its own collective).
-template <class T, dtype_like E>
+template <class T, movable_element E>
 void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadline dl, const algo_options& o) {
   const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
   const block_layout blocks{count, p};
@@ -176,7 +176,7 @@ void ring_reduce_scatter(T& t, std::span<const E> in, std::span<E> out, Op op, c
 }
 
 /// all_gather: out = size * in, rank-major.
-template <class T, dtype_like E>
+template <class T, movable_element E>
 void ring_all_gather(T& t, std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl,
                      const algo_options& o = {}) {
   std::copy(in.begin(), in.end(), out.begin() + static_cast<std::ptrdiff_t>(in.size() * static_cast<std::size_t>(t.rank())));
@@ -211,7 +211,7 @@ void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc
 /// sends its header back to the root once it has checked its own, so every rank checks one header
 /// and the root learns that the chain agreed (two ranks that both believe they are the root, or a
 /// mismatch anywhere, fail every rank instead of letting the root return).
-template <class T, dtype_like E>
+template <class T, movable_element E>
 void chain_broadcast(T& t, std::span<E> data, int root, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
   const int pos = mod(r - root, p);  // position in the chain: 0 is the root, p - 1 the last

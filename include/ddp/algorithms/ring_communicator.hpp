@@ -94,7 +94,7 @@ class ring_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
     check_root(root, d);
     run(d, [&] {
@@ -112,7 +112,7 @@ class ring_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     if (out.size() != in.size() * static_cast<std::size_t>(size())) {
       throw error(errc::invalid_argument, "all_gather: the output holds " + std::to_string(out.size()) + " elements, expected size * input = " +
@@ -139,7 +139,7 @@ class ring_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     if (in.size() != out.size() || in.size() % static_cast<std::size_t>(size()) != 0) {
       throw error(errc::invalid_argument, "all_to_all: input and output must hold the same number of elements, a multiple of the group size " +
@@ -158,13 +158,13 @@ class ring_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& d, deadline dl) {
     check_peer(peer, d);
     run(d, [&] { algo::send(t_, data, peer, d, dl); });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& d, deadline dl) {
     check_peer(peer, d);
     run(d, [&] { algo::recv(t_, data, peer, d, dl); });

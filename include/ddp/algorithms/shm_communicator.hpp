@@ -184,10 +184,10 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& desc, deadline dl) {
     check_root(root, desc);
-    auto d = canonical(desc, dtype_of<E>, data.size(), desc.reduction);
+    auto d = canonical_moved<E>(desc, data.size());
     d.root = root;
     if (size_ == 1) return;
     run(d, [&] {
@@ -212,10 +212,10 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& desc, deadline dl) {
     if (out.size() != in.size() * static_cast<std::size_t>(size_)) bad_sizes("all_gather: out must hold size() * in.size() elements", in.size(), out.size(), desc);
-    const auto d = canonical(desc, dtype_of<E>, in.size(), desc.reduction);
+    const auto d = canonical_moved<E>(desc, in.size());
     const std::size_t n = in.size(), bytes = in.size_bytes();
     E* own = out.data() + static_cast<std::size_t>(rank_) * n;
     if (size_ == 1) {
@@ -291,12 +291,12 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& desc, deadline dl) {
     if (in.size() != out.size() || in.size() % static_cast<std::size_t>(size_) != 0)
       bad_sizes("all_to_all: in and out must have the same size, a multiple of size()", in.size(), out.size(), desc);
     const std::size_t n = in.size() / static_cast<std::size_t>(size_);
-    const auto d = canonical(desc, dtype_of<E>, in.size(), desc.reduction);
+    const auto d = canonical_moved<E>(desc, in.size());
     if (size_ == 1) {
       if (n) std::memmove(out.data(), in.data(), in.size_bytes());
       return;
@@ -336,10 +336,10 @@ class shm_communicator {
     run(d, [&] { barrier_steps(d, dl); });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& desc, deadline dl) {
     check_peer(peer, desc);
-    auto d = canonical(desc, dtype_of<E>, data.size(), desc.reduction);
+    auto d = canonical_moved<E>(desc, data.size());
     d.op = collective::send;
     run(d, [&] {
       const auto h = wire_header::encode(d);
@@ -352,10 +352,10 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E>
+  template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& desc, deadline dl) {
     check_peer(peer, desc);
-    auto d = canonical(desc, dtype_of<E>, data.size(), desc.reduction);
+    auto d = canonical_moved<E>(desc, data.size());
     d.op = collective::recv;
     run(d, [&] {
       wire_header h;
@@ -416,6 +416,13 @@ class shm_communicator {
     d.count = count;
     if (d.has_reduction()) d.reduction = kind;
     return d;
+  }
+  // The description of a data-movement call on n elements of E: std::byte is a typed call moved
+  // as bytes, whose caller described its own type and count.
+  template <class E>
+  collective_desc canonical_moved(const collective_desc& desc, std::size_t n) const {
+    if constexpr (std::is_same_v<std::remove_cv_t<E>, std::byte>) return desc;
+    else return canonical(desc, dtype_of<E>, n, desc.reduction);
   }
   void check_root(int root, const collective_desc& d) const {
     if (root < 0 || root >= size_) {

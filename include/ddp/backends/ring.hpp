@@ -231,9 +231,11 @@ class ring_backend {
   void all_reduce(std::span<T> data, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.all_reduce(data, op, d, dl); });
   }
+  // The data-movement collectives reach the communicators as bytes (see movable_element):
+  // compiled once for every element type; d still names the caller's type and count.
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.broadcast(data, root, d, dl); });
+    with([&](auto& c) { c.broadcast(std::as_writable_bytes(data), root, d, dl); });
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& d, deadline dl) {
@@ -241,7 +243,7 @@ class ring_backend {
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.all_gather(in, out, d, dl); });
+    with([&](auto& c) { c.all_gather(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& d, deadline dl) {
@@ -249,18 +251,24 @@ class ring_backend {
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.all_to_all(in, out, d, dl); });
+    // In elements: as bytes, a count that is no multiple of the group size could look like one.
+    if (in.size() != out.size() || in.size() % static_cast<std::size_t>(s_->size) != 0) {
+      throw error(errc::invalid_argument, "all_to_all: input and output must hold the same number of elements, a multiple of the group size " +
+                                              std::to_string(s_->size) + " (got " + std::to_string(in.size()) + " and " + std::to_string(out.size()) + ")",
+                  d.context(s_->rank));
+    }
+    with([&](auto& c) { c.all_to_all(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
   }
   void barrier(const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.barrier(d, dl); });
   }
   template <dtype_like T>
   void send(std::span<const T> data, int peer, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.send(data, peer, d, dl); });
+    with([&](auto& c) { c.send(std::as_bytes(data), peer, d, dl); });
   }
   template <dtype_like T>
   void recv(std::span<T> data, int peer, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.recv(data, peer, d, dl); });
+    with([&](auto& c) { c.recv(std::as_writable_bytes(data), peer, d, dl); });
   }
 
   // --- the plain interface (used directly, without process_group): own sequence, set-up timeout

@@ -145,6 +145,13 @@ concept dtype_like = requires { dtype_traits<std::remove_cv_t<T>>::value; };
 template <dtype_like T>
 inline constexpr dtype dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 
+/// What the data-movement collectives (broadcast, all_gather, all_to_all, send, recv) of the
+/// algorithms take: an element type, or std::byte for a call of any element type moved as its
+/// bytes. A backend that passes bytes compiles those collectives once, not once per type; the
+/// collective's description (and so the mismatch check) still names the caller's type and count.
+template <class T>
+concept movable_element = dtype_like<T> || std::same_as<std::remove_cv_t<T>, std::byte>;
+
 /// float16 and bfloat16: reduced in float32.
 template <class T>
 concept half_precision = std::same_as<std::remove_cv_t<T>, float16> || std::same_as<std::remove_cv_t<T>, bfloat16>;
