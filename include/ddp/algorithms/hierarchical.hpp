@@ -39,11 +39,11 @@
 #include "ddp/algorithms/exchange.hpp"
 #include "ddp/algorithms/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
-#include "ddp/detail/function_ref.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/store/store.hpp"
 
 namespace ddp::algo {

@@ -32,12 +32,12 @@
 #include "ddp/algorithms/ring.hpp"
 #include "ddp/algorithms/small_message.hpp"
 #include "ddp/core/collective.hpp"
-#include "ddp/detail/function_ref.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/store/store.hpp"
 
 namespace ddp::algo {
@@ -60,6 +60,23 @@ struct ring_communicator_options {
   ddp::store::store* failure_store = nullptr;  // optional: where failures are posted (see above)
   std::string failure_prefix = "ddp";
 };
+
+/// all_gather's and all_to_all's argument checks, in elements. A caller that moves a typed call
+/// as bytes (ring_backend) checks first, so the message counts the caller's elements (and a
+/// count that is no multiple of the group size cannot pass as a byte count that is one).
+inline void check_all_gather_counts(std::size_t in, std::size_t out, int size, const collective_desc& d, int rank) {
+  if (out != in * static_cast<std::size_t>(size)) {
+    throw error(errc::invalid_argument, "all_gather: the output holds " + std::to_string(out) + " elements, expected size * input = " +
+                                            std::to_string(in * static_cast<std::size_t>(size)), d.context(rank));
+  }
+}
+inline void check_all_to_all_counts(std::size_t in, std::size_t out, int size, const collective_desc& d, int rank) {
+  if (in != out || in % static_cast<std::size_t>(size) != 0) {
+    throw error(errc::invalid_argument, "all_to_all: input and output must hold the same number of elements, a multiple of the group size " +
+                                            std::to_string(size) + " (got " + std::to_string(in) + " and " + std::to_string(out) + ")",
+                d.context(rank));
+  }
+}
 
 /// Transport may be a transport type (owned, moved in) or an lvalue reference to one (borrowed).
 template <class Transport>
@@ -114,10 +131,7 @@ class ring_communicator {
 
   template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
-    if (out.size() != in.size() * static_cast<std::size_t>(size())) {
-      throw error(errc::invalid_argument, "all_gather: the output holds " + std::to_string(out.size()) + " elements, expected size * input = " +
-                                              std::to_string(in.size() * static_cast<std::size_t>(size())), d.context(rank()));
-    }
+    check_all_gather_counts(in.size(), out.size(), size(), d, rank());
     run(d, [&] {
       if (size() == 1) return void(std::copy(in.begin(), in.end(), out.begin()));
       ring_all_gather(t_, in, out, d, dl, o_.tuning);
@@ -141,11 +155,7 @@ class ring_communicator {
 
   template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
-    if (in.size() != out.size() || in.size() % static_cast<std::size_t>(size()) != 0) {
-      throw error(errc::invalid_argument, "all_to_all: input and output must hold the same number of elements, a multiple of the group size " +
-                                              std::to_string(size()) + " (got " + std::to_string(in.size()) + " and " + std::to_string(out.size()) + ")",
-                  d.context(rank()));
-    }
+    check_all_to_all_counts(in.size(), out.size(), size(), d, rank());
     run(d, [&] {
       if (size() == 1) return void(std::copy(in.begin(), in.end(), out.begin()));
       pairwise_all_to_all(t_, in, out, d, dl);

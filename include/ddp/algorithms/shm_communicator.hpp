@@ -35,11 +35,11 @@
 
 #include "ddp/algorithms/shm_direct.hpp"
 #include "ddp/core/collective.hpp"
-#include "ddp/detail/function_ref.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/function_ref.hpp"
 #include "ddp/shared_buffer.hpp"
 #include "ddp/store/store.hpp"
 #include "ddp/transport/detail/shm_group.hpp"

@@ -243,6 +243,7 @@ class ring_backend {
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
+    algo::check_all_gather_counts(in.size(), out.size(), s_->size, d, s_->rank);
     with([&](auto& c) { c.all_gather(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
   }
   template <dtype_like T, any_reduce_op Op>
@@ -251,12 +252,7 @@ class ring_backend {
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
-    // In elements: as bytes, a count that is no multiple of the group size could look like one.
-    if (in.size() != out.size() || in.size() % static_cast<std::size_t>(s_->size) != 0) {
-      throw error(errc::invalid_argument, "all_to_all: input and output must hold the same number of elements, a multiple of the group size " +
-                                              std::to_string(s_->size) + " (got " + std::to_string(in.size()) + " and " + std::to_string(out.size()) + ")",
-                  d.context(s_->rank));
-    }
+    algo::check_all_to_all_counts(in.size(), out.size(), s_->size, d, s_->rank);
     with([&](auto& c) { c.all_to_all(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
   }
   void barrier(const collective_desc& d, deadline dl) {
