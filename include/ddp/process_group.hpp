@@ -516,19 +516,29 @@ class process_group {
   }
 
   // --- the calls into the backend (run at execution time, with the sequenced desc) --------
+  // ddp's own ops reach a backend that takes runtime reductions as the runtime_op of their kind:
+  // one call (and one backend instantiation) per element type for the five kinds.
+  template <class Op>
+  static constexpr bool as_runtime_op = detail::pg_runtime_reductions<B> && builtin_reduce_op<Op>;
+
   template <class T, class Op>
   auto all_reduce_call(std::span<T> data, Op op) {
-    return [st = s_.get(), data, op](const collective_desc& d, deadline until) { backend_all_reduce(*st, data, op, d, until); };
+    if constexpr (as_runtime_op<Op>) return all_reduce_call(data, runtime_op{Op::kind});
+    else return [st = s_.get(), data, op](const collective_desc& d, deadline until) { backend_all_reduce(*st, data, op, d, until); };
   }
   template <class T, class Op>
   auto all_reduce_call(std::span<const T> in, std::span<T> out, Op op) {
-    if (in.data() != out.data() && detail::pg_overlap(in, out)) {
-      throw error(errc::invalid_argument, "in and out overlap partially: pass the same span for in-place", call_context(collective::all_reduce));
+    if constexpr (as_runtime_op<Op>) {
+      return all_reduce_call(in, out, runtime_op{Op::kind});
+    } else {
+      if (in.data() != out.data() && detail::pg_overlap(in, out)) {
+        throw error(errc::invalid_argument, "in and out overlap partially: pass the same span for in-place", call_context(collective::all_reduce));
+      }
+      return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
+        if (in.data() != out.data() && !in.empty()) std::memcpy(out.data(), in.data(), in.size_bytes());
+        backend_all_reduce(*st, out, op, d, until);
+      };
     }
-    return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
-      if (in.data() != out.data() && !in.empty()) std::memcpy(out.data(), in.data(), in.size_bytes());
-      backend_all_reduce(*st, out, op, d, until);
-    };
   }
   template <class T, class Op>
   static void backend_all_reduce(state& s, std::span<T> data, Op op, const collective_desc& d, deadline until) {
@@ -546,7 +556,8 @@ class process_group {
 
   template <class T, class Op>
   auto reduce_call(std::span<T> data, int root, Op op) {
-    return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
+    if constexpr (as_runtime_op<Op>) return reduce_call(data, root, runtime_op{Op::kind});
+    else return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
       if constexpr (detail::pg_ext_reduce<B, T, Op>) st->backend.reduce(data, root, op, d, until);
       else if constexpr (detail::pg_plain_reduce<B, T, Op>) st->backend.reduce(data, root, op);
       else {
@@ -572,7 +583,8 @@ class process_group {
 
   template <class T, class Op>
   auto reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
-    return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
+    if constexpr (as_runtime_op<Op>) return reduce_scatter_call(in, out, runtime_op{Op::kind});
+    else return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
       std::vector<std::remove_cv_t<T>> copy;
       std::span<const T> src = in;
       if (detail::pg_overlap(in, out)) {

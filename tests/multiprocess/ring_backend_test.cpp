@@ -8,9 +8,12 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ddp/backends/ring.hpp"
@@ -191,6 +194,89 @@ TEST_CASE("ring_backend: every collective and dtype over shm, p = 4") { sweep(ki
 TEST_CASE("ring_backend: every collective and dtype over tcp, p = 2") { sweep(kind::tcp, 2); }
 TEST_CASE("ring_backend: every collective and dtype over tcp, p = 3") { sweep(kind::tcp, 3); }
 TEST_CASE("ring_backend: every collective and dtype over tcp, p = 4") { sweep(kind::tcp, 4); }
+
+// A user's own reduction, not one of ddp's five: the element of larger magnitude. Its kind says
+// max, but max would give a different answer, so a backend that ran the kind instead of this
+// operator() fails the test.
+struct larger_magnitude {
+  static constexpr ddp::reduce_kind kind = ddp::reduce_kind::max;
+  template <class T>
+  static constexpr T magnitude(T v) noexcept {
+    if constexpr (std::is_signed_v<T>) return v < T{} ? static_cast<T>(-v) : v;
+    else return v;
+  }
+  template <class T>
+  constexpr T operator()(T a, T b) const noexcept { return magnitude(b) > magnitude(a) ? b : a; }
+  template <class T>
+  constexpr T finish(T v, int) const noexcept { return v; }
+};
+static_assert(ddp::reduce_op<larger_magnitude> && !ddp::builtin_reduce_op<larger_magnitude>);
+
+// Inputs of distinct magnitudes per element, most of them negative: max and larger_magnitude disagree.
+double signed_in(int r, std::size_t i) {
+  const double m = static_cast<double>((static_cast<std::size_t>(r) * 7 + i * 3) % 23) + 1;
+  return (static_cast<std::size_t>(r) + i) % 4 == 0 ? m : -m;
+}
+
+template <class T>
+void user_op_collectives(ddp::process_group<ddp::ring_backend>& g, int p, std::size_t n) {
+  const int rank = g.rank();
+  auto want = [&](std::size_t i) {
+    double best = signed_in(0, i);
+    for (int r = 1; r < p; ++r)
+      if (std::fabs(signed_in(r, i)) > std::fabs(best)) best = signed_in(r, i);
+    return best;
+  };
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = to<T>(signed_in(rank, i));
+  g.all_reduce(std::span<T>(v), larger_magnitude{});
+  for (std::size_t i = 0; i < n; ++i)
+    if (from(v[i]) != want(i)) check(false, "all_reduce with a user's op, n = " + std::to_string(n) + ", element " + std::to_string(i));
+  std::vector<T> in(n * static_cast<std::size_t>(p)), out(n);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = to<T>(signed_in(rank, i));
+  g.reduce_scatter(std::span<const T>(in), std::span<T>(out), larger_magnitude{});
+  for (std::size_t i = 0; i < n; ++i)
+    if (from(out[i]) != want(static_cast<std::size_t>(rank) * n + i)) check(false, "reduce_scatter with a user's op, element " + std::to_string(i));
+  for (std::size_t i = 0; i < n; ++i) v[i] = to<T>(signed_in(rank, i));
+  g.reduce(std::span<T>(v), p - 1, larger_magnitude{});
+  if (rank == p - 1)
+    for (std::size_t i = 0; i < n; ++i)
+      if (from(v[i]) != want(i)) check(false, "reduce with a user's op, element " + std::to_string(i));
+}
+
+TEST_CASE("ring_backend: a user's own reduce op runs its operator() on shm, tcp and the hierarchy, small and large") {
+  using hier = ddp::ring_options::hierarchy_kind;
+  struct setup {
+    kind transport;
+    hier hierarchy;
+    const char* name;
+  };
+  for (const setup s : {setup{kind::shm, hier::automatic, "shm"}, setup{kind::tcp, hier::automatic, "tcp"},
+                        setup{kind::automatic, hier::hierarchical, "hierarchical"}}) {
+    INFO(s.name);
+    const int p = 4;
+    store_file file(std::string("userop_") + s.name);
+    const auto result = ddp::test::run_ranks(
+        p,
+        [&](int rank) {
+          auto store = std::make_shared<ddp::store::file_store>(file.path);
+          ddp::ring_options o;
+          o.transport = s.transport;
+          o.hierarchy = s.hierarchy;
+          o.timeout = 60s;
+          if (s.hierarchy == hier::hierarchical) o.host_identity = "host" + std::to_string(rank / 2);  // two hosts of two ranks
+          ddp::process_group<ddp::ring_backend> g(ddp::ring_backend(store, rank, p, o), {.timeout = 60s});
+          check(s.hierarchy != hier::hierarchical || g.backend().hierarchical(), "two posed hosts make a hierarchy");
+          for (std::size_t n : {std::size_t{5}, std::size_t{70001}}) {  // the small-message path and the ring
+            user_op_collectives<float>(g, p, n);
+            user_op_collectives<std::int32_t>(g, p, n);
+          }
+        },
+        170s);
+    INFO(result.describe());
+    REQUIRE(result.ok());
+  }
+}
 
 TEST_CASE("ring_backend: automatic transport picks shared memory on one host") {
   store_file file("auto");

@@ -128,7 +128,14 @@ class hierarchical_communicator {
   /// The leaders' communicator (null unless this rank leads its host).
   Inter* leaders() noexcept { return leaders_.get(); }
 
+  // ddp's own ops run as the runtime_op of their kind (builtin_reduce_op): the reducing
+  // collectives compile once for the five kinds.
+  template <dtype_like E, builtin_reduce_op Op>
+  void all_reduce(std::span<E> data, Op, const collective_desc& d, deadline dl) {
+    all_reduce(data, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<E> data, Op op, const collective_desc& d, deadline dl) {
     // avg combines as sum on both levels; the leaders divide once, by the world size.
     const bool average = kind_of(op) == reduce_kind::avg;
@@ -149,7 +156,12 @@ class hierarchical_communicator {
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->broadcast(data, root, d, dl); });
   }
+  template <dtype_like E, builtin_reduce_op Op>
+  void reduce(std::span<E> data, int root, Op, const collective_desc& d, deadline dl) {
+    reduce(data, root, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->reduce(data, root, op, d, dl); });
   }
@@ -157,7 +169,12 @@ class hierarchical_communicator {
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->all_gather(in, out, d, dl); });
   }
+  template <dtype_like E, builtin_reduce_op Op>
+  void reduce_scatter(std::span<const E> in, std::span<E> out, Op, const collective_desc& d, deadline dl) {
+    reduce_scatter(in, out, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
     guard(d, [&] { flat_->reduce_scatter(in, out, op, d, dl); });
   }

@@ -102,7 +102,14 @@ class ring_communicator {
     return bytes <= o_.small_message_bytes / fan_out ? algorithm_choice::small_message : algorithm_choice::ring;
   }
 
+  // ddp's own ops run as the runtime_op of their kind (builtin_reduce_op): the reducing
+  // collectives compile once for the five kinds.
+  template <dtype_like E, builtin_reduce_op Op>
+  void all_reduce(std::span<E> data, Op, const collective_desc& d, deadline dl) {
+    all_reduce(data, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<E> data, Op op, const collective_desc& d, deadline dl) {
     run(d, [&] {
       if (size() == 1) return finish_local(data, op);
@@ -119,7 +126,12 @@ class ring_communicator {
     });
   }
 
+  template <dtype_like E, builtin_reduce_op Op>
+  void reduce(std::span<E> data, int root, Op, const collective_desc& d, deadline dl) {
+    reduce(data, root, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
     check_root(root, d);
     run(d, [&] {
@@ -138,7 +150,12 @@ class ring_communicator {
     });
   }
 
+  template <dtype_like E, builtin_reduce_op Op>
+  void reduce_scatter(std::span<const E> in, std::span<E> out, Op, const collective_desc& d, deadline dl) {
+    reduce_scatter(in, out, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
     if (in.size() != out.size() * static_cast<std::size_t>(size())) {
       throw error(errc::invalid_argument, "reduce_scatter: the input holds " + std::to_string(in.size()) + " elements, expected size * output = " +

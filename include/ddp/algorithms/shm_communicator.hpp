@@ -110,7 +110,14 @@ class shm_communicator {
     return shared_buffer<T>(std::move(a), n);
   }
 
+  // ddp's own ops run as the runtime_op of their kind (builtin_reduce_op): the reducing
+  // collectives compile once for the five kinds.
+  template <dtype_like E, builtin_reduce_op Op>
+  void all_reduce(std::span<E> data, Op, const collective_desc& desc, deadline dl) {
+    all_reduce(data, runtime_op{Op::kind}, desc, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<E> data, Op op, const collective_desc& desc, deadline dl) {
     const auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     if (size_ == 1) return;
@@ -147,7 +154,12 @@ class shm_communicator {
     });
   }
 
+  template <dtype_like E, builtin_reduce_op Op>
+  void reduce(std::span<E> data, int root, Op, const collective_desc& desc, deadline dl) {
+    reduce(data, root, runtime_op{Op::kind}, desc, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& desc, deadline dl) {
     check_root(root, desc);
     auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
@@ -249,7 +261,12 @@ class shm_communicator {
     });
   }
 
+  template <dtype_like E, builtin_reduce_op Op>
+  void reduce_scatter(std::span<const E> in, std::span<E> out, Op, const collective_desc& desc, deadline dl) {
+    reduce_scatter(in, out, runtime_op{Op::kind}, desc, dl);
+  }
   template <dtype_like E, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& desc, deadline dl) {
     if (in.size() != out.size() * static_cast<std::size_t>(size_)) bad_sizes("reduce_scatter: in must hold size() * out.size() elements", in.size(), out.size(), desc);
     const auto d = canonical(desc, dtype_of<E>, out.size(), kind_of(op));

@@ -227,7 +227,14 @@ class ring_backend {
   const ring_options& options() const noexcept { return s_->options; }
 
   // --- the extended interface (process_group passes its fingerprint and deadline) ------------
+  // ddp's own ops run as the runtime_op of their kind (builtin_reduce_op): the reducing
+  // collectives compile once for the five kinds.
+  template <dtype_like T, builtin_reduce_op Op>
+  void all_reduce(std::span<T> data, Op, const collective_desc& d, deadline dl) {
+    all_reduce(data, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like T, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<T> data, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.all_reduce(data, op, d, dl); });
   }
@@ -237,7 +244,12 @@ class ring_backend {
   void broadcast(std::span<T> data, int root, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.broadcast(std::as_writable_bytes(data), root, d, dl); });
   }
+  template <dtype_like T, builtin_reduce_op Op>
+  void reduce(std::span<T> data, int root, Op, const collective_desc& d, deadline dl) {
+    reduce(data, root, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like T, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce(std::span<T> data, int root, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.reduce(data, root, op, d, dl); });
   }
@@ -246,7 +258,12 @@ class ring_backend {
     algo::check_all_gather_counts(in.size(), out.size(), s_->size, d, s_->rank);
     with([&](auto& c) { c.all_gather(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
   }
+  template <dtype_like T, builtin_reduce_op Op>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, Op, const collective_desc& d, deadline dl) {
+    reduce_scatter(in, out, runtime_op{Op::kind}, d, dl);
+  }
   template <dtype_like T, any_reduce_op Op>
+    requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.reduce_scatter(in, out, op, d, dl); });
   }
