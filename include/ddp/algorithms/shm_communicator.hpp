@@ -121,37 +121,7 @@ class shm_communicator {
   void all_reduce(std::span<E> data, Op op, const collective_desc& desc, deadline dl) {
     const auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     if (size_ == 1) return;
-    run(d, [&] {
-      const std::uint64_t c = ++calls_;
-      const std::size_t n = data.size(), bytes = data.size_bytes();
-      if (bytes <= opts_.small_bytes) {
-        publish(c, d, data.data(), bytes);
-        enter(c, d, dl);
-        ptrs<const E> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data.data() : peer_payload<E>(j, c);
-        E* dst = data.data();
-        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
-        return;
-      }
-      const auto mine = describe(data.data(), bytes, false);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
-      ptrs<E> bufs(size_);
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-      if (zero_copy(c, bytes, bufs, hold)) {
-        const std::size_t lo = shm_direct::slice_begin<E>(n, size_, rank_), hi = shm_direct::slice_begin<E>(n, size_, rank_ + 1);
-        ptrs<const E> src(size_);
-        ptrs<E> dst(size_);
-        for (int j = 0; j < size_; ++j) {
-          src[j] = bufs[j] + lo;
-          dst[j] = bufs[j] + lo;
-        }
-        shm_direct::fold(src.data(), size_, dst.data(), size_, hi - lo, op);
-        sync_all(d, dl, true);
-        return;
-      }
-      staged_reduce(data.data(), n, op, -1, d, dl);
-    });
+    reduce_erased(std::as_writable_bytes(data).data(), data.size(), shm_direct::erase_fold<E>(op), -1, d, dl);
   }
 
   template <dtype_like E, builtin_reduce_op Op>
@@ -165,35 +135,7 @@ class shm_communicator {
     auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     d.root = root;
     if (size_ == 1) return;
-    run(d, [&] {
-      const std::uint64_t c = ++calls_;
-      const std::size_t n = data.size(), bytes = data.size_bytes();
-      if (bytes <= opts_.small_bytes) {
-        publish(c, d, data.data(), bytes);
-        enter(c, d, dl);
-        if (rank_ != root) return;
-        ptrs<const E> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data.data() : peer_payload<E>(j, c);
-        E* dst = data.data();
-        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
-        return;
-      }
-      const auto mine = describe(data.data(), bytes, false);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
-      ptrs<E> bufs(size_);
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-      if (zero_copy(c, bytes, bufs, hold)) {
-        const std::size_t lo = shm_direct::slice_begin<E>(n, size_, rank_), hi = shm_direct::slice_begin<E>(n, size_, rank_ + 1);
-        ptrs<const E> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = bufs[j] + lo;
-        E* dst = bufs[root] + lo;
-        shm_direct::fold(src.data(), size_, &dst, 1, hi - lo, op);
-        sync_all(d, dl, true);
-        return;
-      }
-      staged_reduce(data.data(), n, op, root, d, dl);
-    });
+    reduce_erased(std::as_writable_bytes(data).data(), data.size(), shm_direct::erase_fold<E>(op), root, d, dl);
   }
 
   template <movable_element E>
@@ -275,37 +217,10 @@ class shm_communicator {
       if (n) std::memmove(out.data(), in.data(), out.size_bytes());
       return;
     }
-    run(d, [&] {
-      const std::uint64_t c = ++calls_;
-      const std::size_t offset = static_cast<std::size_t>(rank_) * n;
-      if (in.size_bytes() <= opts_.small_bytes) {
-        publish(c, d, in.data(), in.size_bytes());
-        enter(c, d, dl);
-        ptrs<const E> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = (j == rank_ ? in.data() : peer_payload<E>(j, c)) + offset;
-        E* dst = out.data();
-        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
-        return;
-      }
-      // Writing out while peers read in is safe only where out is this rank's own block of in.
-      const auto mine = describe(in.data(), in.size_bytes(), overlaps(in, out) && out.data() != in.data() + offset);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
-      ptrs<E> bufs(size_);
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-      if (zero_copy(c, in.size_bytes(), bufs, hold)) {
-        ptrs<const E> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = bufs[j] + offset;
-        E* dst = out.data();
-        shm_direct::fold(src.data(), size_, &dst, 1, n, op);
-        sync_all(d, dl, true);
-        return;
-      }
-      staged_blocks<E>(in.data(), n, d, dl, [&](const E* const* pieces, std::size_t at, std::size_t len) {
-        E* dst = out.data() + at;
-        shm_direct::fold(pieces, size_, &dst, 1, len, op);
-      });
-    });
+    // Writing out while peers read in is safe only where out is this rank's own block of in.
+    const bool out_elsewhere_in_in = overlaps(in, out) && out.data() != in.data() + static_cast<std::size_t>(rank_) * n;
+    reduce_scatter_erased(std::as_bytes(in).data(), std::as_writable_bytes(out).data(), n, shm_direct::erase_fold<E>(op),
+                          out_elsewhere_in_in, d, dl);
   }
 
   template <movable_element E>
@@ -340,8 +255,9 @@ class shm_communicator {
         sync_all(d, dl, true);
         return;
       }
-      staged_blocks<E>(in.data(), n, d, dl, [&](const E* const* pieces, std::size_t at, std::size_t len) {
-        for (int j = 0; j < size_; ++j) std::memcpy(out.data() + static_cast<std::size_t>(j) * n + at, pieces[j], len * sizeof(E));
+      auto* to = std::as_writable_bytes(out).data();
+      staged_blocks(std::as_bytes(in).data(), n, sizeof(E), d, dl, [&](const std::byte* const* pieces, std::size_t at, std::size_t len) {
+        for (int j = 0; j < size_; ++j) std::memcpy(to + (static_cast<std::size_t>(j) * n + at) * sizeof(E), pieces[j], len * sizeof(E));
       });
     });
   }
@@ -631,39 +547,112 @@ class shm_communicator {
     if (g >= depth) wait_counter(shm_direct::done, g - depth + 1, -1, d, dl, "release a staging chunk");
   }
 
-  template <class E, class Op>
-  void staged_reduce(E* data, std::size_t n, Op op, int root, const collective_desc& d, deadline dl) {
-    const std::size_t m = opts_.chunk_bytes / sizeof(E);
+  // The reducing collectives with the element type and op erased in f: compiled once.
+  // all_reduce (root < 0) or reduce to root of n elements at data.
+  void reduce_erased(std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root, const collective_desc& d, deadline dl) {
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t es = f.element_size, bytes = n * es;
+      if (bytes <= opts_.small_bytes) {
+        publish(c, d, data, bytes);
+        enter(c, d, dl);
+        if (root >= 0 && rank_ != root) return;
+        ptrs<const std::byte> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data : peer_payload<std::byte>(j, c);
+        std::byte* dst = data;
+        f(src.data(), size_, &dst, 1, n);
+        return;
+      }
+      const auto mine = describe(data, bytes, false);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<std::byte> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, bytes, bufs, hold)) {
+        // This rank's slice of every buffer (all_reduce) or of the root's (reduce).
+        const std::size_t lo = shm_direct::slice_begin(n, size_, rank_, es), hi = shm_direct::slice_begin(n, size_, rank_ + 1, es);
+        ptrs<const std::byte> src(size_);
+        ptrs<std::byte> dst(size_);
+        for (int j = 0; j < size_; ++j) {
+          src[j] = bufs[j] + lo * es;
+          dst[j] = bufs[j] + lo * es;
+        }
+        if (root < 0) f(src.data(), size_, dst.data(), size_, hi - lo);
+        else f(src.data(), size_, dst.data() + root, 1, hi - lo);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_reduce(data, n, f, root, d, dl);
+    });
+  }
+
+  // reduce_scatter: in holds size() blocks of n elements, out gets block rank() reduced.
+  void reduce_scatter_erased(const std::byte* in, std::byte* out, std::size_t n, const shm_direct::erased_fold& f, bool out_elsewhere_in_in,
+                             const collective_desc& d, deadline dl) {
+    run(d, [&] {
+      const std::uint64_t c = ++calls_;
+      const std::size_t es = f.element_size, in_bytes = n * es * static_cast<std::size_t>(size_);
+      const std::size_t offset = static_cast<std::size_t>(rank_) * n * es;
+      if (in_bytes <= opts_.small_bytes) {
+        publish(c, d, in, in_bytes);
+        enter(c, d, dl);
+        ptrs<const std::byte> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = (j == rank_ ? in : peer_payload<std::byte>(j, c)) + offset;
+        f(src.data(), size_, &out, 1, n);
+        return;
+      }
+      const auto mine = describe(in, in_bytes, out_elsewhere_in_in);
+      publish(c, d, &mine, sizeof mine);
+      enter(c, d, dl);
+      ptrs<std::byte> bufs(size_);
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
+      if (zero_copy(c, in_bytes, bufs, hold)) {
+        ptrs<const std::byte> src(size_);
+        for (int j = 0; j < size_; ++j) src[j] = bufs[j] + offset;
+        f(src.data(), size_, &out, 1, n);
+        sync_all(d, dl, true);
+        return;
+      }
+      staged_blocks(in, n, es, d, dl, [&](const std::byte* const* pieces, std::size_t at, std::size_t len) {
+        std::byte* dst = out + at * es;
+        f(pieces, size_, &dst, 1, len);
+      });
+    });
+  }
+
+  void staged_reduce(std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root, const collective_desc& d, deadline dl) {
+    const std::size_t es = f.element_size;
+    const std::size_t m = opts_.chunk_bytes / es;
     const std::size_t chunks = (n + m - 1) / m;
     const std::uint64_t g0 = chunks_;
     chunks_ += chunks;
     auto length = [&](std::size_t k) { return std::min(m, n - k * m); };
-    auto stage = [&](int r, std::size_t k) { return reinterpret_cast<E*>(layout_.staging_at(base(r), g0 + k)); };
+    auto stage = [&](int r, std::size_t k) { return layout_.staging_at(base(r), g0 + k); };
     auto copy_in = [&](std::size_t k) {
       wait_reuse(g0 + k, d, dl);
-      std::memcpy(stage(rank_, k), data + k * m, length(k) * sizeof(E));
+      std::memcpy(stage(rank_, k), data + k * m * es, length(k) * es);
       set(shm_direct::arrived, g0 + k + 1);
     };
-    ptrs<const E> src(size_);
+    ptrs<const std::byte> src(size_);
     copy_in(0);
     for (std::size_t k = 0; k < chunks; ++k) {
       const std::uint64_t g = g0 + k;
       const std::size_t len = length(k);
-      const std::size_t lo = shm_direct::slice_begin<E>(len, size_, rank_), hi = shm_direct::slice_begin<E>(len, size_, rank_ + 1);
+      const std::size_t lo = shm_direct::slice_begin(len, size_, rank_, es), hi = shm_direct::slice_begin(len, size_, rank_ + 1, es);
       wait_counter(shm_direct::arrived, g + 1, -1, d, dl, "stage its chunk");
-      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + lo;
+      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + lo * es;
       // The own slice goes to staging (for the peers) and straight into the result.
       const bool result_here = root < 0 || root == rank_;
-      E* dst[2] = {stage(rank_, k) + lo, data + k * m + lo};
-      shm_direct::fold(src.data(), size_, dst, result_here ? 2 : 1, hi - lo, op);
+      std::byte* dst[2] = {stage(rank_, k) + lo * es, data + (k * m + lo) * es};
+      f(src.data(), size_, dst, result_here ? 2 : 1, hi - lo);
       set(shm_direct::reduced, g + 1);
       if (k + 1 < chunks) copy_in(k + 1);
       if (result_here) {
         wait_counter(shm_direct::reduced, g + 1, -1, d, dl, "reduce its slice");
         for (int j = 0; j < size_; ++j) {
           if (j == rank_) continue;
-          const std::size_t a = shm_direct::slice_begin<E>(len, size_, j), b = shm_direct::slice_begin<E>(len, size_, j + 1);
-          std::memcpy(data + k * m + a, stage(j, k) + a, (b - a) * sizeof(E));
+          const std::size_t a = shm_direct::slice_begin(len, size_, j, es), b = shm_direct::slice_begin(len, size_, j + 1, es);
+          std::memcpy(data + (k * m + a) * es, stage(j, k) + a * es, (b - a) * es);
         }
       }
       set(shm_direct::done, g + 1);
@@ -713,29 +702,30 @@ class shm_communicator {
     }
   }
 
-  // in holds size() blocks of n; each chunk stages the same piece of every block, and
-  // use(pieces, at, len) gets, for every rank j, rank j's piece of block rank().
-  template <class E, class Use>
-  void staged_blocks(const E* in, std::size_t n, const collective_desc& d, deadline dl, Use&& use) {
-    const std::size_t piece = std::max<std::size_t>(1, opts_.chunk_bytes / sizeof(E) / static_cast<std::size_t>(size_));
+  // in holds size() blocks of n elements of es bytes; each chunk stages the same piece of every
+  // block, and use(pieces, at, len) gets, for every rank j, rank j's piece of block rank()
+  // (element offsets and counts).
+  void staged_blocks(const std::byte* in, std::size_t n, std::size_t es, const collective_desc& d, deadline dl,
+                     ddp::detail::function_ref<void(const std::byte* const*, std::size_t, std::size_t)> use) {
+    const std::size_t piece = std::max<std::size_t>(1, opts_.chunk_bytes / es / static_cast<std::size_t>(size_));
     const std::size_t chunks = (n + piece - 1) / piece;
     const std::uint64_t g0 = chunks_;
     chunks_ += chunks;
     auto length = [&](std::size_t k) { return std::min(piece, n - k * piece); };
-    auto stage = [&](int r, std::size_t k) { return reinterpret_cast<E*>(layout_.staging_at(base(r), g0 + k)); };
+    auto stage = [&](int r, std::size_t k) { return layout_.staging_at(base(r), g0 + k); };
     auto copy_in = [&](std::size_t k) {
       wait_reuse(g0 + k, d, dl);
-      E* s = stage(rank_, k);
+      std::byte* s = stage(rank_, k);
       for (int b = 0; b < size_; ++b)
-        std::memcpy(s + static_cast<std::size_t>(b) * piece, in + static_cast<std::size_t>(b) * n + k * piece, length(k) * sizeof(E));
+        std::memcpy(s + static_cast<std::size_t>(b) * piece * es, in + (static_cast<std::size_t>(b) * n + k * piece) * es, length(k) * es);
       set(shm_direct::arrived, g0 + k + 1);
     };
-    ptrs<const E> src(size_);
+    ptrs<const std::byte> src(size_);
     copy_in(0);
     for (std::size_t k = 0; k < chunks; ++k) {
       if (k + 1 < chunks) copy_in(k + 1);
       wait_counter(shm_direct::arrived, g0 + k + 1, -1, d, dl, "stage its chunk");
-      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + static_cast<std::size_t>(rank_) * piece;
+      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + static_cast<std::size_t>(rank_) * piece * es;
       use(src.data(), k * piece, length(k));
       set(shm_direct::done, g0 + k + 1);
     }

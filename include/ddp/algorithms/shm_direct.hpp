@@ -85,11 +85,10 @@ struct layout {
   }
 };
 
-/// Start of rank r's slice of n elements split p ways, on cache-line boundaries so that ranks
-/// writing neighbouring slices never share a line.
-template <class E>
-constexpr std::size_t slice_begin(std::size_t n, int p, int r) noexcept {
-  constexpr std::size_t align = std::max<std::size_t>(1, cache_line / sizeof(E));
+/// Start of rank r's slice of n elements of `element_size` bytes split p ways, on cache-line
+/// boundaries so that ranks writing neighbouring slices never share a line.
+constexpr std::size_t slice_begin(std::size_t n, int p, int r, std::size_t element_size) noexcept {
+  const std::size_t align = std::max<std::size_t>(1, cache_line / element_size);
   const std::size_t units = (n + align - 1) / align;
   return std::min(n, units * static_cast<std::size_t>(r) / static_cast<std::size_t>(p) * align);
 }
@@ -105,27 +104,27 @@ inline E from_acc(accumulate_t<E> x) noexcept {
   else return static_cast<E>(x);
 }
 
-// fold() with a static op.
+// fold() with a static op. The buffers are E arrays passed as bytes (see erased_fold).
 template <class E, class Op>
-void fold_static(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept {
+void fold_static(const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n, Op op) noexcept {
   using A = accumulate_t<E>;
   constexpr std::size_t block = 2048;
   A tmp[block];
   for (std::size_t i0 = 0; i0 < n; i0 += block) {
     const std::size_t m = std::min(block, n - i0);
     {
-      const E* s = srcs[0] + i0;
+      const E* s = reinterpret_cast<const E*>(srcs[0]) + i0;
       for (std::size_t i = 0; i < m; ++i) tmp[i] = to_acc(s[i]);
     }
     for (int j = 1; j < p; ++j) {
-      const E* s = srcs[j] + i0;
+      const E* s = reinterpret_cast<const E*>(srcs[j]) + i0;
       for (std::size_t i = 0; i < m; ++i) tmp[i] = op(tmp[i], to_acc(s[i]));
     }
     if constexpr (Op::kind == reduce_kind::avg) {
       for (std::size_t i = 0; i < m; ++i) tmp[i] = op.finish(tmp[i], p);
     }
     for (int d = 0; d < ndst; ++d) {
-      E* out = dsts[d] + i0;
+      E* out = reinterpret_cast<E*>(dsts[d]) + i0;
       if constexpr (std::is_same_v<A, E>) std::memcpy(out, tmp, m * sizeof(E));
       else
         for (std::size_t i = 0; i < m; ++i) out[i] = from_acc<E>(tmp[i]);
@@ -133,11 +132,27 @@ void fold_static(const E* const* srcs, int p, E* const* dsts, int ndst, std::siz
   }
 }
 
-/// dst[d][i] = the reduction of srcs[0..p)[i] for i < n, for every destination d. Destinations
-/// may be sources (each block is read completely before it is written).
+/// The reduction of one element type and op with both erased, so that the collectives' control
+/// code (slots, zero copy, staging) compiles once and only this kernel once per type and op:
+/// dsts[d][i] = the reduction of srcs[0..p)[i] for i < n, for every destination d, where each
+/// pointer addresses E elements. Destinations may be sources (each block is read completely
+/// before it is written). `op` must outlive the erased_fold.
+struct erased_fold {
+  std::size_t element_size;
+  void (*kernel)(const void* op, const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n) noexcept;
+  const void* op;
+  void operator()(const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n) const noexcept {
+    kernel(op, srcs, p, dsts, ndst, n);
+  }
+};
+
 template <class E, class Op>
-void fold(const E* const* srcs, int p, E* const* dsts, int ndst, std::size_t n, Op op) noexcept {
-  with_static_op(op, [&](auto s) { fold_static(srcs, p, dsts, ndst, n, s); });
+erased_fold erase_fold(const Op& op) noexcept {
+  return {sizeof(E),
+          [](const void* o, const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n) noexcept {
+            with_static_op(*static_cast<const Op*>(o), [&](auto s) { fold_static<E>(srcs, p, dsts, ndst, n, s); });
+          },
+          &op};
 }
 
 }  // namespace ddp::algo::shm_direct
