@@ -359,16 +359,19 @@ class process_group {
   }
 
  private:
-  using runner = std::function<void(const collective_desc&, deadline)>;
   // What execute_on calls: any of the *_call lambdas, by reference, so that execution (error
   // wrapping, watchdog, statistics) is compiled once per backend rather than once per
   // collective x element type x reduction, and a blocking call still allocates nothing.
   using runner_ref = detail::function_ref<void(const collective_desc&, deadline)>;
 
+  // A queued call: its lambda lives on the heap (`call`) until it has run, and is reached through
+  // the same runner_ref thunk as a blocking call of that lambda (a std::function here would
+  // compile a second copy of every collective call).
   struct task {
     collective_desc desc;
     std::size_t bytes = 0;
-    runner run;
+    runner_ref run;
+    std::shared_ptr<void> call;
     std::shared_ptr<detail::work_state> work;
   };
 
@@ -684,7 +687,13 @@ class process_group {
     execute_on(s, desc, bytes, fn, nullptr);
   }
 
-  work submit(collective_desc desc, std::size_t bytes, runner fn) {
+  template <class F>
+  work submit(collective_desc desc, std::size_t bytes, F fn) {
+    auto call = std::make_shared<F>(std::move(fn));
+    runner_ref run(std::move(*call));  // an rvalue, like a blocking call's: the same thunk
+    return submit_task(desc, bytes, run, std::move(call));
+  }
+  work submit_task(collective_desc desc, std::size_t bytes, runner_ref run, std::shared_ptr<void> call) {
     state& s = *s_;
     auto ws = std::make_shared<detail::work_state>();
     ws->rank = s.rank;
@@ -693,7 +702,7 @@ class process_group {
       if (s.failure) throw fail_fast(desc);
       desc.seq = s.seq++;
       ws->desc = desc;
-      s.queue.push_back(task{desc, bytes, std::move(fn), ws});
+      s.queue.push_back(task{desc, bytes, run, std::move(call), ws});
       if (!s.comm.joinable()) s.comm = std::thread([st = s_.get()] { communication_loop(*st); });
     }
     s.changed.notify_all();
@@ -719,7 +728,7 @@ class process_group {
       } catch (...) {
         failure = std::current_exception();
       }
-      t.run = nullptr;  // drop captured buffers before the waiter resumes
+      t.call.reset();  // drop captured buffers before the waiter resumes
       t.work->complete(failure);
       lock.lock();
       s.busy = false;
