@@ -32,34 +32,77 @@ namespace ddp::algo {
 
 namespace detail {
 
+/// The elementwise work of the reduce-scatter phase with the element type E and the op erased,
+/// so that the phase (chunking, pipelining, headers) compiles once per transport and only these
+/// three loops once per type and op. W = accumulate_t<E> (float for float16 / bfloat16).
+struct ring_reduction {
+  std::size_t element_size;     // sizeof(E)
+  std::size_t accumulate_size;  // sizeof(W)
+  bool widens;                  // W is not E: partial sums cannot live in the E buffer
+  // dst[i] = W(src[i])                              (dst W, src E)
+  void (*widen)(std::byte* dst, const std::byte* src, std::size_t n) noexcept;
+  // dst[i] = op(got[i], W(mine[i]))                 (dst W, got W, mine E; dst may be mine)
+  void (*combine)(const void* op, std::byte* dst, const std::byte* got, const std::byte* mine, std::size_t n) noexcept;
+  // out[i] = E(op.finish(op(got[i], W(mine[i])), p))  (out E)
+  void (*finish)(const void* op, std::byte* out, const std::byte* got, const std::byte* mine, std::size_t n, int p) noexcept;
+  const void* op;  // must outlive the ring_reduction
+};
+
+template <dtype_like E, any_reduce_op Op>
+ring_reduction erase_ring_reduction(const Op& op) noexcept {
+  using W = accumulate_t<E>;
+  return {sizeof(E), sizeof(W), !std::is_same_v<W, E>,
+          [](std::byte* dst, const std::byte* src, std::size_t n) noexcept {
+            W* d = reinterpret_cast<W*>(dst);
+            const E* e = reinterpret_cast<const E*>(src);
+            for (std::size_t i = 0; i < n; ++i) d[i] = widen(e[i]);
+          },
+          [](const void* o, std::byte* dst, const std::byte* got, const std::byte* mine, std::size_t n) noexcept {
+            W* d = reinterpret_cast<W*>(dst);
+            const W* g = reinterpret_cast<const W*>(got);
+            const E* m = reinterpret_cast<const E*>(mine);
+            with_static_op(*static_cast<const Op*>(o), [&](auto sop) {
+              for (std::size_t i = 0; i < n; ++i) d[i] = sop(g[i], widen(m[i]));
+            });
+          },
+          [](const void* o, std::byte* out, const std::byte* got, const std::byte* mine, std::size_t n, int p) noexcept {
+            E* d = reinterpret_cast<E*>(out);
+            const W* g = reinterpret_cast<const W*>(got);
+            const E* m = reinterpret_cast<const E*>(mine);
+            with_static_op(*static_cast<const Op*>(o), [&](auto sop) {
+              for (std::size_t i = 0; i < n; ++i) d[i] = narrow<E>(sop.finish(sop(g[i], widen(m[i])), p));
+            });
+          },
+          &op};
+}
+
 /// The reduce-scatter phase. Reads `in` (count elements), leaves rank r's block fully reduced and
 /// finished in `own` (block r's size). With `in_place` (only when E is its own accumulation type)
 /// partial sums are kept in `in` itself, which must then be writable (all_reduce's buffer).
-template <class T, dtype_like E, any_reduce_op Op>
-void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_place, Op op, const collective_desc& d,
-                          deadline dl, const algo_options& o) {
-  using W = accumulate_t<E>;
+template <class T>
+void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byte* own, bool in_place, const ring_reduction& k,
+                          const collective_desc& d, deadline dl, const algo_options& o) {
+  const std::size_t es = k.element_size, ws = k.accumulate_size;
   const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
   const block_layout blocks{count, p};
-  in_place = in_place && std::is_same_v<W, E>;
+  in_place = in_place && !k.widens;
   const std::size_t largest = blocks.largest();
-  const std::size_t nchunks = chunk_count(largest, sizeof(W), o);
+  const std::size_t nchunks = chunk_count(largest, ws, o);
   const std::size_t chunk_max = (largest + nchunks - 1) / nchunks;
-  std::vector<W> rbuf[2] = {std::vector<W>(chunk_max), std::vector<W>(chunk_max)};
-  std::vector<W> partial[2];
-  if (!in_place) partial[0].resize(largest), partial[1].resize(largest);
+  // Byte buffers of W elements (new[] storage is aligned for any of them).
+  std::vector<std::byte> rbuf[2] = {std::vector<std::byte>(chunk_max * ws), std::vector<std::byte>(chunk_max * ws)};
+  std::vector<std::byte> partial[2];
+  if (!in_place) partial[0].resize(largest * ws), partial[1].resize(largest * ws);
   // Where step s keeps the partial sums of the block it receives.
-  auto partial_of = [&](int s, int block) -> W* {
-    if (in_place) return reinterpret_cast<W*>(const_cast<E*>(in)) + blocks.begin(block);
+  auto partial_of = [&](int s, int block) -> std::byte* {
+    if (in_place) return const_cast<std::byte*>(in) + blocks.begin(block) * es;
     return partial[s % 2].data();
   };
   // Step 0 sends this rank's own input of block r - 1, widened when needed.
-  const W* first_send = nullptr;
-  if constexpr (std::is_same_v<W, E>) {
-    first_send = in + blocks.begin(mod(r - 1, p));
-  } else {
+  const std::byte* first_send = in + blocks.begin(mod(r - 1, p)) * es;
+  if (k.widens) {
     const int b = mod(r - 1, p);
-    for (std::size_t i = 0; i < blocks.size(b); ++i) partial[1][i] = widen(in[blocks.begin(b) + i]);
+    k.widen(partial[1].data(), first_send, blocks.size(b));
     first_send = partial[1].data();
   }
 
@@ -73,17 +116,10 @@ void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_
     const int block = mod(r - s - 2, p);
     const std::size_t len = blocks.size(block);
     const std::size_t a = chunk_first(len, nchunks, c), b = chunk_first(len, nchunks, c + 1);
-    const W* got = rbuf[c % 2].data();
-    const E* mine = in + blocks.begin(block);
-    const bool last = s == p - 2;  // the last step: this rank's own block is complete
-    W* dst = last ? nullptr : partial_of(s, block);
-    with_static_op(op, [&](auto sop) {
-      if (last) {
-        for (std::size_t i = a; i < b; ++i) own[i] = narrow<E>(sop.finish(sop(got[i - a], widen(mine[i])), p));
-      } else {
-        for (std::size_t i = a; i < b; ++i) dst[i] = sop(got[i - a], widen(mine[i]));
-      }
-    });
+    const std::byte* got = rbuf[c % 2].data();
+    const std::byte* mine = in + (blocks.begin(block) + a) * es;
+    if (s == p - 2) k.finish(k.op, own + a * es, got, mine, b - a, p);  // the last step: this rank's own block is complete
+    else k.combine(k.op, partial_of(s, block) + a * ws, got, mine, b - a);
   };
   auto flush = [&] {
     if (pending.armed) {
@@ -99,7 +135,7 @@ void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_
   for (int s = 0; s < p - 1; ++s) {
     flush();  // the next step sends what the last chunk of this step produced
     const int send_block = mod(r - s - 1, p), recv_block = mod(r - s - 2, p);
-    const W* send_base = s == 0 ? first_send : partial_of(s - 1, send_block);
+    const std::byte* send_base = s == 0 ? first_send : partial_of(s - 1, send_block);
     const std::size_t send_len = blocks.size(send_block), recv_len = blocks.size(recv_block);
     for (std::size_t c = 0; c < nchunks; ++c) {
       const std::size_t sa = chunk_first(send_len, nchunks, c), sb = chunk_first(send_len, nchunks, c + 1);
@@ -109,8 +145,8 @@ void reduce_scatter_phase(T& t, const E* in, std::size_t count, E* own, bool in_
       recv_piece inp[2];
       std::size_t no = 0, ni = 0;
       if (first) out[no++] = hdr.out(), inp[ni++] = hdr.in(prev);
-      out[no++] = bytes_of(send_base + sa, sb - sa);
-      inp[ni++] = bytes_of(rbuf[c % 2].data(), rb - ra);
+      out[no++] = send_piece(send_base + sa * ws, (sb - sa) * ws);
+      inp[ni++] = recv_piece(rbuf[c % 2].data(), (rb - ra) * ws);
       exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(inp, ni), dl, progress);
       hdr.check();  // no-op unless the transport completed without calling back
       flush();      // the previous chunk, when the transport never had to wait
@@ -164,11 +200,13 @@ template <class T, dtype_like E, any_reduce_op Op>
 void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const block_layout blocks{data.size(), t.size()};
   const int r = t.rank();
+  const auto k = detail::erase_ring_reduction<E>(op);
+  auto* bytes = reinterpret_cast<std::byte*>(data.data());
   if constexpr (std::is_same_v<accumulate_t<E>, E>) {
-    detail::reduce_scatter_phase(t, data.data(), data.size(), data.data() + blocks.begin(r), true, op, d, dl, o);
+    detail::reduce_scatter_phase(t, bytes, data.size(), bytes + blocks.begin(r) * sizeof(E), true, k, d, dl, o);
   } else {
     std::vector<E> own(blocks.size(r));
-    detail::reduce_scatter_phase(t, data.data(), data.size(), own.data(), false, op, d, dl, o);
+    detail::reduce_scatter_phase(t, bytes, data.size(), reinterpret_cast<std::byte*>(own.data()), false, k, d, dl, o);
     std::copy(own.begin(), own.end(), data.begin() + static_cast<std::ptrdiff_t>(blocks.begin(r)));
   }
   detail::all_gather_phase(t, data.data(), data.size(), nullptr, dl, o);
@@ -185,7 +223,8 @@ template <class T, dtype_like E, any_reduce_op Op>
 void ring_reduce_scatter(T& t, std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl,
                          const algo_options& o = {}) {
   // Equal blocks: in.size() == size * out.size(), so block_layout puts block r exactly at r * out.size().
-  detail::reduce_scatter_phase(t, in.data(), in.size(), out.data(), false, op, d, dl, o);
+  detail::reduce_scatter_phase(t, reinterpret_cast<const std::byte*>(in.data()), in.size(), reinterpret_cast<std::byte*>(out.data()), false,
+                               detail::erase_ring_reduction<E>(op), d, dl, o);
 }
 
 /// all_gather: out = size * in, rank-major.
@@ -209,7 +248,8 @@ void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc
   const int p = t.size(), r = t.rank();
   const block_layout blocks{data.size(), p};
   std::vector<E> own(blocks.size(r));
-  detail::reduce_scatter_phase(t, data.data(), data.size(), own.data(), false, op, d, dl, o);
+  detail::reduce_scatter_phase(t, reinterpret_cast<const std::byte*>(data.data()), data.size(), reinterpret_cast<std::byte*>(own.data()), false,
+                               detail::erase_ring_reduction<E>(op), d, dl, o);
   auto none = [](std::size_t) {};
   if (r != root) {
     const send_piece out[1] = {bytes_of(own.data(), own.size())};
