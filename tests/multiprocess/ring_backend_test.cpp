@@ -167,7 +167,11 @@ void sweep(kind transport, int p) {
       p,
       [&](int rank) {
         auto g = make_group(file.path, rank, p, transport);
-        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1023}, std::size_t{65539}}) {
+        // The last size takes the ring (not the small-message path) for every dtype and p <= 4;
+        // under a sanitizer a quarter of it still does (the chunked ring is covered with small
+        // chunks by ring_algorithms_test and tcp_collectives_test).
+        const std::size_t ring_sized = ddp::test::sanitized_build ? 16411 : 65539;
+        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1023}, ring_sized}) {
           all_dtypes<float, double, ddp::float16, ddp::bfloat16, std::int32_t, std::int64_t, std::uint8_t>(g, n);
         }
         // one large buffer: many chunks of the pipelined ring
