@@ -189,14 +189,7 @@ void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadl
 }  // namespace detail
 
 /// In-place all_reduce: ring reduce-scatter, then ring all-gather.
-/// ddp's own ops (builtin_reduce_op) run as the runtime_op of their kind, here and in the other
-/// reducing collectives: one instantiation for the five kinds (the loops switch once per chunk).
-template <class T, dtype_like E, builtin_reduce_op Op>
-void ring_all_reduce(T& t, std::span<E> data, Op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
-  ring_all_reduce(t, data, runtime_op{Op::kind}, d, dl, o);
-}
 template <class T, dtype_like E, any_reduce_op Op>
-  requires(!builtin_reduce_op<Op>)
 void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const block_layout blocks{data.size(), t.size()};
   const int r = t.rank();
@@ -213,13 +206,7 @@ void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, d
 }
 
 /// reduce_scatter: in = size * out; this rank gets block `rank` of the reduction.
-template <class T, dtype_like E, builtin_reduce_op Op>
-void ring_reduce_scatter(T& t, std::span<const E> in, std::span<E> out, Op, const collective_desc& d, deadline dl,
-                         const algo_options& o = {}) {
-  ring_reduce_scatter(t, in, out, runtime_op{Op::kind}, d, dl, o);
-}
 template <class T, dtype_like E, any_reduce_op Op>
-  requires(!builtin_reduce_op<Op>)
 void ring_reduce_scatter(T& t, std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl,
                          const algo_options& o = {}) {
   // Equal blocks: in.size() == size * out.size(), so block_layout puts block r exactly at r * out.size().
@@ -238,12 +225,7 @@ void ring_all_gather(T& t, std::span<const E> in, std::span<E> out, const collec
 
 /// reduce to `root`: ring reduce-scatter into a scratch block, then every block goes to the root.
 /// Buffers of ranks other than the root are left unchanged.
-template <class T, dtype_like E, builtin_reduce_op Op>
-void ring_reduce(T& t, std::span<E> data, int root, Op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
-  ring_reduce(t, data, root, runtime_op{Op::kind}, d, dl, o);
-}
 template <class T, dtype_like E, any_reduce_op Op>
-  requires(!builtin_reduce_op<Op>)
 void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const int p = t.size(), r = t.rank();
   const block_layout blocks{data.size(), p};

@@ -110,26 +110,14 @@ class shm_communicator {
     return shared_buffer<T>(std::move(a), n);
   }
 
-  // ddp's own ops run as the runtime_op of their kind (builtin_reduce_op): the reducing
-  // collectives compile once for the five kinds.
-  template <dtype_like E, builtin_reduce_op Op>
-  void all_reduce(std::span<E> data, Op, const collective_desc& desc, deadline dl) {
-    all_reduce(data, runtime_op{Op::kind}, desc, dl);
-  }
   template <dtype_like E, any_reduce_op Op>
-    requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<E> data, Op op, const collective_desc& desc, deadline dl) {
     const auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     if (size_ == 1) return;
     reduce_erased(std::as_writable_bytes(data).data(), data.size(), shm_direct::erase_fold<E>(op), -1, d, dl);
   }
 
-  template <dtype_like E, builtin_reduce_op Op>
-  void reduce(std::span<E> data, int root, Op, const collective_desc& desc, deadline dl) {
-    reduce(data, root, runtime_op{Op::kind}, desc, dl);
-  }
   template <dtype_like E, any_reduce_op Op>
-    requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& desc, deadline dl) {
     check_root(root, desc);
     auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
@@ -153,9 +141,7 @@ class shm_communicator {
         if (rank_ != root && bytes != 0) std::memcpy(data.data(), peer_payload<E>(root, c), bytes);
         return;
       }
-      const auto mine = describe(data.data(), bytes, false);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
+      enter_with_buffer(c, d, dl, data.data(), bytes, false);
       std::shared_ptr<ddp::detail::shared_allocation> hold;
       if (const std::byte* src = shared_source(root, c, bytes, hold)) {
         if (rank_ != root) std::memcpy(data.data(), src, bytes);
@@ -186,9 +172,7 @@ class shm_communicator {
         if (bytes) std::memmove(own, in.data(), bytes);
         return;
       }
-      const auto mine = describe(in.data(), bytes, overlaps(in, out) && in.data() != own);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
+      enter_with_buffer(c, d, dl, in.data(), bytes, overlaps(in, out) && in.data() != own);
       ptrs<E> bufs(size_);
       std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
       if (zero_copy(c, bytes, bufs, hold)) {
@@ -203,12 +187,7 @@ class shm_communicator {
     });
   }
 
-  template <dtype_like E, builtin_reduce_op Op>
-  void reduce_scatter(std::span<const E> in, std::span<E> out, Op, const collective_desc& desc, deadline dl) {
-    reduce_scatter(in, out, runtime_op{Op::kind}, desc, dl);
-  }
   template <dtype_like E, any_reduce_op Op>
-    requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& desc, deadline dl) {
     if (in.size() != out.size() * static_cast<std::size_t>(size_)) bad_sizes("reduce_scatter: in must hold size() * out.size() elements", in.size(), out.size(), desc);
     const auto d = canonical(desc, dtype_of<E>, out.size(), kind_of(op));
@@ -245,9 +224,7 @@ class shm_communicator {
           if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c) + offset, block);
         return;
       }
-      const auto mine = describe(in.data(), in.size_bytes(), overlaps(in, out));
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
+      enter_with_buffer(c, d, dl, in.data(), in.size_bytes(), overlaps(in, out));
       ptrs<E> bufs(size_);
       std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
       if (zero_copy(c, in.size_bytes(), bufs, hold)) {
@@ -505,7 +482,14 @@ class shm_communicator {
       b.offset = where->offset;
     }
     return b;
+  }  // Publishes where this rank's buffer for call c is, then waits until every peer has published
+  // the same call (headers checked): the start of every call that is not small.
+  void enter_with_buffer(std::uint64_t c, const collective_desc& d, deadline dl, const void* p, std::size_t bytes, bool unsafe_overlap) {
+    const auto mine = describe(p, bytes, unsafe_overlap);
+    publish(c, d, &mine, sizeof mine);
+    enter(c, d, dl);
   }
+
 
   shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
     shm_direct::buffer_descriptor b;
@@ -563,9 +547,7 @@ class shm_communicator {
         f(src.data(), size_, &dst, 1, n);
         return;
       }
-      const auto mine = describe(data, bytes, false);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
+      enter_with_buffer(c, d, dl, data, bytes, false);
       ptrs<std::byte> bufs(size_);
       std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
       if (zero_copy(c, bytes, bufs, hold)) {
@@ -601,9 +583,7 @@ class shm_communicator {
         f(src.data(), size_, &out, 1, n);
         return;
       }
-      const auto mine = describe(in, in_bytes, out_elsewhere_in_in);
-      publish(c, d, &mine, sizeof mine);
-      enter(c, d, dl);
+      enter_with_buffer(c, d, dl, in, in_bytes, out_elsewhere_in_in);
       ptrs<std::byte> bufs(size_);
       std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
       if (zero_copy(c, in_bytes, bufs, hold)) {

@@ -130,9 +130,10 @@ template <class Op>
 concept any_reduce_op = reduce_op<Op> || std::same_as<Op, runtime_op>;
 
 /// ddp's own operations. They are stateless, so a runtime_op of their kind is the same
-/// reduction: the reducing collectives forward them as one (see runtime_op), and a program that
-/// uses all five kinds compiles each collective once per dtype, not five times. A user's own
-/// reduce_op keeps its type (its operator() is what must run).
+/// reduction: process_group, ring_backend and the ring and hierarchical communicators forward
+/// them as one (see runtime_op), so a program that uses all five kinds compiles each collective
+/// once per dtype, not five times (the shared-memory and ring reduce-scatter code below them is
+/// type-erased already). A user's own reduce_op keeps its type (its operator() is what must run).
 template <class Op>
 concept builtin_reduce_op =
     std::same_as<Op, sum> || std::same_as<Op, avg> || std::same_as<Op, min> || std::same_as<Op, max> || std::same_as<Op, prod>;
