@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <latch>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "ddp/algorithms/ring_communicator.hpp"
+#include "ddp/algorithms/scratch.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "ddp/transport/tcp.hpp"
 #include "support/sizes.hpp"
@@ -604,6 +606,34 @@ TEST_CASE("ring: abort() from another thread unblocks a collective promptly") {
     if (code != static_cast<int>(ddp::errc::peer_lost)) throw std::runtime_error("all_reduce did not fail with peer_lost");
     if (took > 2s) throw std::runtime_error("abort took too long");
   });
+}
+
+struct scratch_test_site;
+struct other_scratch_test_site;
+
+TEST_CASE("scratch: a use site's buffer is reused on its thread, while nested uses, other sites and threads get their own") {
+  using ddp::algo::detail::scratch;
+  auto address = [](const auto& s) { return reinterpret_cast<std::uintptr_t>(s.data()); };
+  std::uintptr_t first = 0;
+  {
+    const scratch<scratch_test_site> a(1000);
+    first = address(a);
+    CHECK(first % 64 == 0);
+    std::memset(a.data(), 0x5a, 1000);  // all of it is writable
+    const scratch<scratch_test_site> nested(1000);
+    CHECK(address(nested) != first);
+    const scratch<other_scratch_test_site> other(1000);
+    CHECK(address(other) != first);
+    std::uintptr_t on_another_thread = 0;
+    std::thread([&] { on_another_thread = address(scratch<scratch_test_site>(1000)); }).join();
+    CHECK(on_another_thread != first);
+  }
+  // Smaller: the same memory, not a new allocation; its bytes are as left (a freed and
+  // reallocated block would have had malloc's list pointers written over its first bytes).
+  const scratch<scratch_test_site> again(500);
+  CHECK(address(again) == first);
+  CHECK(again.as<unsigned char>()[0] == 0x5a);
+  CHECK(again.as<unsigned char>()[8] == 0x5a);
 }
 
 }  // namespace ddp_test_ring_algorithms

@@ -20,9 +20,9 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
-#include <vector>
 
 #include "ddp/algorithms/exchange.hpp"
+#include "ddp/algorithms/scratch.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -31,6 +31,11 @@
 namespace ddp::algo {
 
 namespace detail {
+
+// Scratch buffers of the ring (one per thread each, see scratch.hpp).
+struct ring_receive_chunks;
+struct ring_partial_sums;
+struct ring_own_block;
 
 /// The elementwise work of the reduce-scatter phase with the element type E and the op erased,
 /// so that the phase (chunking, pipelining, headers) compiles once per transport and only these
@@ -89,21 +94,22 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
   const std::size_t largest = blocks.largest();
   const std::size_t nchunks = chunk_count(largest, ws, o);
   const std::size_t chunk_max = (largest + nchunks - 1) / nchunks;
-  // Byte buffers of W elements (new[] storage is aligned for any of them).
-  std::vector<std::byte> rbuf[2] = {std::vector<std::byte>(chunk_max * ws), std::vector<std::byte>(chunk_max * ws)};
-  std::vector<std::byte> partial[2];
-  if (!in_place) partial[0].resize(largest * ws), partial[1].resize(largest * ws);
+  // Two receive chunks and (unless in place) two blocks of partial sums, all of W elements.
+  const scratch<ring_receive_chunks> received(2 * chunk_max * ws);
+  std::byte* const rbuf[2] = {received.data(), received.data() + chunk_max * ws};
+  const scratch<ring_partial_sums> partials(in_place ? 0 : 2 * largest * ws);
+  std::byte* const partial[2] = {partials.data(), partials.data() + (in_place ? 0 : largest * ws)};
   // Where step s keeps the partial sums of the block it receives.
   auto partial_of = [&](int s, int block) -> std::byte* {
     if (in_place) return const_cast<std::byte*>(in) + blocks.begin(block) * es;
-    return partial[s % 2].data();
+    return partial[s % 2];
   };
   // Step 0 sends this rank's own input of block r - 1, widened when needed.
   const std::byte* first_send = in + blocks.begin(mod(r - 1, p)) * es;
   if (k.widens) {
     const int b = mod(r - 1, p);
-    k.widen(partial[1].data(), first_send, blocks.size(b));
-    first_send = partial[1].data();
+    k.widen(partial[1], first_send, blocks.size(b));
+    first_send = partial[1];
   }
 
   header_check hdr(d, r);
@@ -116,7 +122,7 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
     const int block = mod(r - s - 2, p);
     const std::size_t len = blocks.size(block);
     const std::size_t a = chunk_first(len, nchunks, c), b = chunk_first(len, nchunks, c + 1);
-    const std::byte* got = rbuf[c % 2].data();
+    const std::byte* got = rbuf[c % 2];
     const std::byte* mine = in + (blocks.begin(block) + a) * es;
     if (s == p - 2) k.finish(k.op, own + a * es, got, mine, b - a, p);  // the last step: this rank's own block is complete
     else k.combine(k.op, partial_of(s, block) + a * ws, got, mine, b - a);
@@ -146,7 +152,7 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
       std::size_t no = 0, ni = 0;
       if (first) out[no++] = hdr.out(), inp[ni++] = hdr.in(prev);
       out[no++] = send_piece(send_base + sa * ws, (sb - sa) * ws);
-      inp[ni++] = recv_piece(rbuf[c % 2].data(), (rb - ra) * ws);
+      inp[ni++] = recv_piece(rbuf[c % 2], (rb - ra) * ws);
       exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(inp, ni), dl, progress);
       hdr.check();  // no-op unless the transport completed without calling back
       flush();      // the previous chunk, when the transport never had to wait
@@ -198,9 +204,9 @@ void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, d
   if constexpr (std::is_same_v<accumulate_t<E>, E>) {
     detail::reduce_scatter_phase(t, bytes, data.size(), bytes + blocks.begin(r) * sizeof(E), true, k, d, dl, o);
   } else {
-    std::vector<E> own(blocks.size(r));
-    detail::reduce_scatter_phase(t, bytes, data.size(), reinterpret_cast<std::byte*>(own.data()), false, k, d, dl, o);
-    std::copy(own.begin(), own.end(), data.begin() + static_cast<std::ptrdiff_t>(blocks.begin(r)));
+    const detail::scratch<detail::ring_own_block> own(blocks.size(r) * sizeof(E));
+    detail::reduce_scatter_phase(t, bytes, data.size(), own.data(), false, k, d, dl, o);
+    std::memcpy(bytes + blocks.begin(r) * sizeof(E), own.data(), blocks.size(r) * sizeof(E));
   }
   detail::all_gather_phase(t, data.data(), data.size(), nullptr, dl, o);
 }
@@ -229,8 +235,9 @@ template <class T, dtype_like E, any_reduce_op Op>
 void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl, const algo_options& o = {}) {
   const int p = t.size(), r = t.rank();
   const block_layout blocks{data.size(), p};
-  std::vector<E> own(blocks.size(r));
-  detail::reduce_scatter_phase(t, reinterpret_cast<const std::byte*>(data.data()), data.size(), reinterpret_cast<std::byte*>(own.data()), false,
+  const detail::scratch<detail::ring_own_block> own_block(blocks.size(r) * sizeof(E));
+  const std::span<E> own(own_block.as<E>(), blocks.size(r));
+  detail::reduce_scatter_phase(t, reinterpret_cast<const std::byte*>(data.data()), data.size(), own_block.data(), false,
                                detail::erase_ring_reduction<E>(op), d, dl, o);
   auto none = [](std::size_t) {};
   if (r != root) {

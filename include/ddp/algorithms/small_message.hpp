@@ -12,9 +12,9 @@
 #include <cstddef>
 #include <cstring>
 #include <span>
-#include <vector>
 
 #include "ddp/algorithms/exchange.hpp"
+#include "ddp/algorithms/scratch.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -27,10 +27,14 @@ namespace detail {
 /// Every peer's header and buffer, one contiguous slot per rank (this rank's slot unused: it
 /// reads `data`). A slot is one receive piece, so header and payload arrive in one read (the
 /// payload lands in scratch, never in the output); the header is checked as soon as it is in.
+struct direct_slot_memory;  // scratch tag
+
 template <class E>
 struct direct_slots {
-  std::size_t n = 0;
-  std::vector<std::byte> bytes;
+  direct_slots(std::size_t count, int p)
+      : n(count), bytes((wire_header::size + count * sizeof(E)) * static_cast<std::size_t>(p)) {}
+  std::size_t n;
+  scratch<direct_slot_memory> bytes;
   std::size_t slot() const noexcept { return wire_header::size + n * sizeof(E); }
   recv_piece piece(int k) noexcept { return {bytes.data() + slot() * static_cast<std::size_t>(k), slot()}; }
   const E* values(int k) const noexcept {
@@ -39,11 +43,10 @@ struct direct_slots {
   }
 };
 
+/// Fills `all` (made for data.size() elements and p ranks) with every peer's header and data.
 template <class T, dtype_like E>
 void direct_exchange(T& t, std::span<const E> data, direct_slots<E>& all, const collective_desc& d, deadline dl) {
   const int p = t.size(), r = t.rank();
-  all.n = data.size();
-  all.bytes.resize(all.slot() * static_cast<std::size_t>(p));
   const wire_header mine = wire_header::encode(d);
   for (int k = 1; k < p; ++k) {
     const int to = mod(r + k, p), from = mod(r - k, p);
@@ -89,14 +92,14 @@ void reduce_in_rank_order(std::span<E> data, const direct_slots<E>& all, int p, 
 
 template <class T, dtype_like E, any_reduce_op Op>
 void direct_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, deadline dl) {
-  detail::direct_slots<E> all;
+  detail::direct_slots<E> all(data.size(), t.size());
   detail::direct_exchange(t, std::span<const E>(data), all, d, dl);
   detail::reduce_in_rank_order(data, all, t.size(), t.rank(), op);
 }
 
 template <class T, dtype_like E, any_reduce_op Op>
 void direct_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
-  detail::direct_slots<E> all;
+  detail::direct_slots<E> all(data.size(), t.size());
   detail::direct_exchange(t, std::span<const E>(data), all, d, dl);
   if (t.rank() == root) detail::reduce_in_rank_order(data, all, t.size(), t.rank(), op);
 }
