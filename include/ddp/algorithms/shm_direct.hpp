@@ -104,33 +104,85 @@ inline E from_acc(accumulate_t<E> x) noexcept {
   else return static_cast<E>(x);
 }
 
-// fold() with a static op. The buffers are E arrays passed as bytes (see erased_fold).
+// Marks a loop over elements whose pointers may alias exactly (a destination that is a source at
+// the same index, never a shifted overlap): each element is read before it is written, so vector
+// code is correct, but the compiler cannot prove it and would otherwise test the pointers at run
+// time and fall back to scalar code exactly when they alias, as in-place reductions do.
+#if defined(__CUDACC__)
+#define DDP_DETAIL_ELEMENTWISE
+#elif defined(__clang__)
+#define DDP_DETAIL_ELEMENTWISE _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define DDP_DETAIL_ELEMENTWISE _Pragma("GCC ivdep")
+#else
+#define DDP_DETAIL_ELEMENTWISE
+#endif
+
+// The pass over the last source: v = op(acc[i], last[i]) (finished for avg) stored into d0 and,
+// when not null, d1. acc is the partial result of the earlier sources, or source 0 itself.
+template <class E, class Acc, class Op>
+void fold_last_source(const Acc* acc, const E* last, E* d0, E* d1, std::size_t m, int p, Op op) noexcept {
+  auto value = [&](std::size_t i) {
+    auto v = op(to_acc(acc[i]), to_acc(last[i]));
+    if constexpr (Op::kind == reduce_kind::avg) v = op.finish(v, p);
+    return from_acc<E>(v);
+  };
+  if (d1 != nullptr) {
+    DDP_DETAIL_ELEMENTWISE
+    for (std::size_t i = 0; i < m; ++i) {
+      const E v = value(i);
+      d0[i] = v;
+      d1[i] = v;
+    }
+  } else {
+    DDP_DETAIL_ELEMENTWISE
+    for (std::size_t i = 0; i < m; ++i) d0[i] = value(i);
+  }
+}
+
+// fold() with a static op. The buffers are E arrays passed as bytes (see erased_fold). Per block
+// of elements, sources 0 .. p - 2 are combined in a local buffer (not at all for p = 2), and the
+// pass over the last source writes the first two destinations directly; further destinations
+// copy the first. So p = 2 into 2 destinations reads each source and writes each destination
+// once, like a hand-written loop.
 template <class E, class Op>
 void fold_static(const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n, Op op) noexcept {
   using A = accumulate_t<E>;
   constexpr std::size_t block = 2048;
   A tmp[block];
+  auto src = [&](int j, std::size_t i0) { return reinterpret_cast<const E*>(srcs[j]) + i0; };
+  auto dst = [&](int d, std::size_t i0) { return reinterpret_cast<E*>(dsts[d]) + i0; };
   for (std::size_t i0 = 0; i0 < n; i0 += block) {
     const std::size_t m = std::min(block, n - i0);
-    {
-      const E* s = reinterpret_cast<const E*>(srcs[0]) + i0;
+    E* const d0 = dst(0, i0);
+    E* const d1 = ndst > 1 ? dst(1, i0) : nullptr;
+    if (p == 1) {
+      const E* s = src(0, i0);
       for (std::size_t i = 0; i < m; ++i) tmp[i] = to_acc(s[i]);
+      if constexpr (Op::kind == reduce_kind::avg) {
+        for (std::size_t i = 0; i < m; ++i) tmp[i] = op.finish(tmp[i], p);
+      }
+      for (std::size_t i = 0; i < m; ++i) d0[i] = from_acc<E>(tmp[i]);
+      if (d1 != nullptr) std::memcpy(d1, d0, m * sizeof(E));
+    } else if (p == 2) {
+      fold_last_source(src(0, i0), src(1, i0), d0, d1, m, p, op);
+    } else {
+      {
+        const E* a = src(0, i0);
+        const E* b = src(1, i0);
+        for (std::size_t i = 0; i < m; ++i) tmp[i] = op(to_acc(a[i]), to_acc(b[i]));
+      }
+      for (int j = 2; j < p - 1; ++j) {
+        const E* s = src(j, i0);
+        for (std::size_t i = 0; i < m; ++i) tmp[i] = op(tmp[i], to_acc(s[i]));
+      }
+      fold_last_source(static_cast<const A*>(tmp), src(p - 1, i0), d0, d1, m, p, op);
     }
-    for (int j = 1; j < p; ++j) {
-      const E* s = reinterpret_cast<const E*>(srcs[j]) + i0;
-      for (std::size_t i = 0; i < m; ++i) tmp[i] = op(tmp[i], to_acc(s[i]));
-    }
-    if constexpr (Op::kind == reduce_kind::avg) {
-      for (std::size_t i = 0; i < m; ++i) tmp[i] = op.finish(tmp[i], p);
-    }
-    for (int d = 0; d < ndst; ++d) {
-      E* out = reinterpret_cast<E*>(dsts[d]) + i0;
-      if constexpr (std::is_same_v<A, E>) std::memcpy(out, tmp, m * sizeof(E));
-      else
-        for (std::size_t i = 0; i < m; ++i) out[i] = from_acc<E>(tmp[i]);
-    }
+    for (int d = 2; d < ndst; ++d) std::memcpy(dst(d, i0), d0, m * sizeof(E));
   }
 }
+
+#undef DDP_DETAIL_ELEMENTWISE
 
 /// The reduction of one element type and op with both erased, so that the collectives' control
 /// code (slots, zero copy, staging) compiles once and only this kernel once per type and op:
