@@ -31,6 +31,7 @@
 #include "ddp/core/collective.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/elementwise.hpp"
 #include "ddp/transport/detail/shm_segment.hpp"
 
 namespace ddp::algo::shm_direct {
@@ -104,20 +105,6 @@ inline E from_acc(accumulate_t<E> x) noexcept {
   else return static_cast<E>(x);
 }
 
-// Marks a loop over elements whose pointers may alias exactly (a destination that is a source at
-// the same index, never a shifted overlap): each element is read before it is written, so vector
-// code is correct, but the compiler cannot prove it and would otherwise test the pointers at run
-// time and fall back to scalar code exactly when they alias, as in-place reductions do.
-#if defined(__CUDACC__)
-#define DDP_DETAIL_ELEMENTWISE
-#elif defined(__clang__)
-#define DDP_DETAIL_ELEMENTWISE _Pragma("clang loop vectorize(assume_safety)")
-#elif defined(__GNUC__)
-#define DDP_DETAIL_ELEMENTWISE _Pragma("GCC ivdep")
-#else
-#define DDP_DETAIL_ELEMENTWISE
-#endif
-
 // The pass over the last source: v = op(acc[i], last[i]) (finished for avg) stored into d0 and,
 // when not null, d1. acc is the partial result of the earlier sources, or source 0 itself.
 template <class E, class Acc, class Op>
@@ -128,14 +115,14 @@ void fold_last_source(const Acc* acc, const E* last, E* d0, E* d1, std::size_t m
     return from_acc<E>(v);
   };
   if (d1 != nullptr) {
-    DDP_DETAIL_ELEMENTWISE
+    DDP_ELEMENTWISE_LOOP
     for (std::size_t i = 0; i < m; ++i) {
       const E v = value(i);
       d0[i] = v;
       d1[i] = v;
     }
   } else {
-    DDP_DETAIL_ELEMENTWISE
+    DDP_ELEMENTWISE_LOOP
     for (std::size_t i = 0; i < m; ++i) d0[i] = value(i);
   }
 }
@@ -181,8 +168,6 @@ void fold_static(const std::byte* const* srcs, int p, std::byte* const* dsts, in
     for (int d = 2; d < ndst; ++d) std::memcpy(dst(d, i0), d0, m * sizeof(E));
   }
 }
-
-#undef DDP_DETAIL_ELEMENTWISE
 
 /// The reduction of one element type and op with both erased, so that the collectives' control
 /// code (slots, zero copy, staging) compiles once and only this kernel once per type and op:
