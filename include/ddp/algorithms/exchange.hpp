@@ -107,7 +107,10 @@ struct header_check {
 
 /// The algorithms' tuning knobs.
 struct algo_options {
-  std::size_t chunk_bytes = std::size_t{256} << 10;  // pipelining unit of the ring and the chain
+  // Pipelining unit of the ring and the chain. Over TCP each chunk is one exchange with its own
+  // wait; 512 KiB beat 256 KiB at every size from 1 MiB (p = 2 and 4 over loopback, 1-2 MiB by
+  // 20-33 %), and 1 MiB lost again at 2 MiB and up (bench/README.md).
+  std::size_t chunk_bytes = std::size_t{512} << 10;
 };
 
 /// count elements split into p blocks: the first count % p blocks have one more element.
