@@ -10,7 +10,8 @@
 //    and has PR_SET_PDEATHSIG(SIGKILL), so it dies with the launcher even on SIGKILL;
 //  - SIGINT / SIGTERM / SIGHUP sent to the launcher are forwarded to every worker's group; a
 //    second one kills them at once;
-//  - when a worker fails (non-zero exit or a signal) the launcher prints one line, e.g.
+//  - when a worker fails (non-zero exit or a signal) the launcher prints one line (one per
+//    worker when several are found failed at once), e.g.
 //      ddprun: rank 1 (local 1, pid 1234) exited with code 3
 //      ddprun: rank 0 (local 0, pid 1233) was killed by signal 9 (Killed)
 //    sends SIGTERM to the other groups and SIGKILL after grace_period;
@@ -340,8 +341,11 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     if (w.exec_failed) break;
   }
 
-  // Records each worker that has ended; the first failure stops the others.
+  // Records each worker that has ended; the first failure stops the others. Workers found
+  // failed in the same pass ended together as far as the launcher can tell (a killed rank and a
+  // peer that saw it die, say), so each gets its line; the first in rank order is the result.
   const auto reap = [&] {
+    const bool first_failure_pending = result.failed < 0 && !stopping;
     for (std::size_t i = 0; i < result.workers.size(); ++i) {
       auto& w = result.workers[i];
       if (w.pid <= 0 || w.ended) continue;
@@ -353,12 +357,12 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       if (WIFSIGNALED(status)) w.signal = WTERMSIG(status);
       else if (WIFEXITED(status)) w.exit_code = WEXITSTATUS(status);
       ::kill(-w.pid, SIGKILL);  // what it left behind in its group
-      if (!w.ok() && result.failed < 0 && !stopping) {
-        result.failed = static_cast<int>(i);
+      if (!w.ok() && first_failure_pending) {
+        if (result.failed < 0) result.failed = static_cast<int>(i);
         if (!w.exec_failed) detail::log_line(options, w.describe());
-        begin_stop(SIGTERM);
       }
     }
+    if (first_failure_pending && result.failed >= 0) begin_stop(SIGTERM);
   };
   deadline drain_until = deadline::never();
   while (true) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "scripts/launch_worker.hpp"
+#include "support/skip.hpp"
 
 using namespace std::chrono_literals;
 
@@ -24,10 +25,8 @@ const std::string ddprun_exe;
 #endif
 
 bool have_ddprun() {
-  if (ddprun_exe.empty() || ::access(ddprun_exe.c_str(), X_OK) != 0) {
-    WARN("SKIPPED: the ddprun binary was not built with this test (configure tools/ddprun)");
-    return false;
-  }
+  if (ddprun_exe.empty() || ::access(ddprun_exe.c_str(), X_OK) != 0)
+    ddp::test::skip("the ddprun binary was not built with this test (configure tools/ddprun)");  // exits 77
   return true;
 }
 

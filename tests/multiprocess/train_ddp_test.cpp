@@ -11,12 +11,18 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <dirent.h>
+#include <map>
+#include <signal.h>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "scripts/launch_worker.hpp"
 #include "support/multiprocess.hpp"
+#include "support/skip.hpp"
 
 namespace {
 
@@ -26,6 +32,11 @@ using nlohmann::json;
 const std::string exe = TRAIN_DDP_EXE;  // set by examples/train_ddp/CMakeLists.txt
 #else
 const std::string exe;
+#endif
+#if defined(DDPRUN_EXE)
+const std::string ddprun_exe = DDPRUN_EXE;  // set by tools/ddprun/CMakeLists.txt
+#else
+const std::string ddprun_exe;
 #endif
 
 json read_json(const std::string& path) {
@@ -168,14 +179,74 @@ comparison check_against_golden(const run_output& run, int world) {
 }
 
 bool have_binary() {
-  if (exe.empty() || ::access(exe.c_str(), X_OK) != 0) {
-    WARN("SKIPPED: the train_ddp binary was not built (examples off, or CLI11/Thrust missing)");
-    return false;
-  }
+  if (exe.empty() || ::access(exe.c_str(), X_OK) != 0)
+    ddp::test::skip("the train_ddp binary was not built (examples off, or CLI11/Thrust missing)");  // exits 77
   return true;
 }
 
+// The ranks a launcher started: its children that carry RANK in their environment, by rank.
+// Waits (until `timeout`) for `n` of them: a child is only seen once it has exec'd.
+std::map<int, pid_t> workers_of(pid_t launcher, std::size_t n, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  std::map<int, pid_t> found;
+  while (found.size() < n && std::chrono::steady_clock::now() < until) {
+    DIR* proc = ::opendir("/proc");
+    if (proc == nullptr) break;
+    while (const dirent* e = ::readdir(proc)) {
+      const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+      if (pid <= 0) continue;
+      std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+      std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+      const auto close = text.rfind(')');
+      if (close == std::string::npos) continue;
+      std::istringstream fields(text.substr(close + 2));
+      std::string state;
+      long ppid = 0;
+      fields >> state >> ppid;
+      if (ppid != launcher) continue;
+      std::ifstream environ("/proc/" + std::to_string(pid) + "/environ");
+      for (std::string var; std::getline(environ, var, '\0');)
+        if (var.rfind("RANK=", 0) == 0) found[std::stoi(var.substr(5))] = pid;
+    }
+    ::closedir(proc);
+  }
+  return found;
+}
+
+void have_launcher_and_binary() {
+  have_binary();
+  if (ddprun_exe.empty() || ::access(ddprun_exe.c_str(), X_OK) != 0) ddp::test::skip("the ddprun binary was not built (tools off)");  // exits 77
+}
+
 }  // namespace
+
+TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 train_ddp --init-seed 0 prints PyTorch's lines") {
+  have_launcher_and_binary();
+  ddp::test::child_process p({ddprun_exe, "--standalone", "--nnodes=1", "--nproc-per-node=2", exe, "--init-seed", "0"});
+  const int code = p.wait(std::chrono::seconds(120));
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  CHECK(code == 0);
+  CHECK(epoch_lines(p.out_text) == golden_run(2)["tutorial_print_lines"].get<std::vector<std::string>>());
+}
+
+TEST_CASE("ddprun: a train_ddp rank killed mid-run ends the job within 5 s, named, with no process left") {
+  have_launcher_and_binary();
+  // A job of many epochs: it is still training when a rank is killed.
+  ddp::test::child_process p({ddprun_exe, "--standalone", "--nnodes=1", "--nproc-per-node=2", exe, "--samples", "65536",
+                              "--hidden", "256", "--batch-size", "256", "--epochs", "100000"});
+  REQUIRE(p.wait_for_output("Epoch 1: Rank 0 local loss sum = ", 1, std::chrono::seconds(120)));
+  const auto workers = workers_of(p.pid(), 2, std::chrono::seconds(10));
+  REQUIRE(workers.size() == 2);
+  const auto killed_at = std::chrono::steady_clock::now();
+  REQUIRE(::kill(workers.at(1), SIGKILL) == 0);
+  const int code = p.wait(std::chrono::seconds(60));
+  const auto took = std::chrono::steady_clock::now() - killed_at;
+  INFO("stderr:\n" << p.err_text);
+  CHECK(code != 0);
+  CHECK(took < std::chrono::seconds(5));
+  CHECK_THAT(p.err_text, Catch::Contains("ddprun: rank 1 (local 1, pid " + std::to_string(workers.at(1)) + ") was killed by signal 9"));
+  CHECK(ddp::test::survivors({workers.at(0), workers.at(1)}, std::chrono::seconds(5)).empty());
+}
 
 TEST_CASE("train_ddp --init-seed 0 at world size 1 prints PyTorch's lines") {
   if (!have_binary()) return;
