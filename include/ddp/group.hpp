@@ -21,6 +21,7 @@
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/detail/pg_group_model.hpp"
+#include "ddp/detail/pg_range_calls.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/work.hpp"
 
@@ -57,7 +58,7 @@ class group_buffer {
   bool shared_ = false;
 };
 
-class group {
+class group : public detail::pg_range_calls<group> {
  public:
   /// An invalid group (what non-members of a sub-group get).
   group() = default;
@@ -165,35 +166,11 @@ class group {
     return call(collective::recv, dtype_of<T>, reduce_kind::sum, nullptr, 0, data.data(), data.size(), peer, true);
   }
 
-  // --- any contiguous range ----------------------------------------------------------------
-  template <detail::pg_range R, reduce_op Op = sum>
-  void all_reduce(R&& data, Op op = {}) { all_reduce(detail::pg_span(data), op); }
-  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
-  void all_reduce(In&& in, Out&& out, Op op = {}) { all_reduce(detail::pg_const_span(in), detail::pg_span(out), op); }
-  template <detail::pg_range R, reduce_op Op = sum>
-  work all_reduce_async(R&& data, Op op = {}) { return all_reduce_async(detail::pg_span(data), op); }
-  template <detail::pg_range R>
-  void broadcast(R&& data, int root) { broadcast(detail::pg_span(data), root); }
-  template <detail::pg_range R>
-  work broadcast_async(R&& data, int root) { return broadcast_async(detail::pg_span(data), root); }
-  template <detail::pg_range R, reduce_op Op = sum>
-  void reduce(R&& data, int root, Op op = {}) { reduce(detail::pg_span(data), root, op); }
-  template <detail::pg_any_range In, detail::pg_any_range Out>
-  void all_gather(In&& in, Out&& out) { all_gather(detail::pg_const_span(in), detail::pg_span(out)); }
-  template <detail::pg_any_range In, detail::pg_any_range Out>
-  work all_gather_async(In&& in, Out&& out) { return all_gather_async(detail::pg_const_span(in), detail::pg_span(out)); }
-  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
-  void reduce_scatter(In&& in, Out&& out, Op op = {}) { reduce_scatter(detail::pg_const_span(in), detail::pg_span(out), op); }
-  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
-  work reduce_scatter_async(In&& in, Out&& out, Op op = {}) {
-    return reduce_scatter_async(detail::pg_const_span(in), detail::pg_span(out), op);
-  }
-  template <detail::pg_any_range In, detail::pg_any_range Out>
-  void all_to_all(In&& in, Out&& out) { all_to_all(detail::pg_const_span(in), detail::pg_span(out)); }
-  template <detail::pg_any_range R>
-  void send(R&& data, int peer) { send(detail::pg_const_span(data), peer); }
-  template <detail::pg_range R>
-  void recv(R&& data, int peer) { recv(detail::pg_span(data), peer); }
+  // --- any contiguous range (std::vector, std::array, thrust::host_vector, ...) ------------
+  using ranges = detail::pg_range_calls<group>;
+  using ranges::all_reduce, ranges::all_reduce_async, ranges::broadcast, ranges::broadcast_async, ranges::reduce;
+  using ranges::all_gather, ranges::all_gather_async, ranges::reduce_scatter, ranges::reduce_scatter_async;
+  using ranges::all_to_all, ranges::send, ranges::recv;
 
   // --- memory and sub-groups -----------------------------------------------------------------
   template <dtype_like T>

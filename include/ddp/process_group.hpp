@@ -51,6 +51,7 @@
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/detail/function_ref.hpp"
 #include "ddp/detail/pg_backend_traits.hpp"
+#include "ddp/detail/pg_range_calls.hpp"
 #include "ddp/detail/pg_watchdog.hpp"
 #include "ddp/work.hpp"
 
@@ -88,26 +89,6 @@ struct group_stats {
 
 namespace detail {
 
-template <class T> inline constexpr bool pg_is_span_v = false;
-template <class T, std::size_t N> inline constexpr bool pg_is_span_v<std::span<T, N>> = true;
-
-/// A contiguous range of a collective element type that is not already a std::span.
-template <class R>
-concept pg_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
-                   dtype_like<std::ranges::range_value_t<R>> && !pg_is_span_v<std::remove_cvref_t<R>>;
-template <class R>
-concept pg_any_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> && dtype_like<std::ranges::range_value_t<R>>;
-
-template <class R>
-auto pg_span(R&& r) {
-  return std::span(std::ranges::data(r), std::ranges::size(r));
-}
-template <class R>
-auto pg_const_span(R&& r) {
-  using T = std::remove_cv_t<std::ranges::range_value_t<R>>;
-  return std::span<const T>(std::ranges::data(r), std::ranges::size(r));
-}
-
 template <class T, class U>
 bool pg_overlap(std::span<T> a, std::span<U> b) noexcept {
   if (a.empty() || b.empty()) return false;
@@ -119,7 +100,7 @@ bool pg_overlap(std::span<T> a, std::span<U> b) noexcept {
 }  // namespace detail
 
 template <ddp::backend B>
-class process_group {
+class process_group : public detail::pg_range_calls<process_group<B>> {
  public:
   using backend_type = B;
 
@@ -287,34 +268,10 @@ class process_group {
   }
 
   // --- any contiguous range (std::vector, std::array, thrust::host_vector, ...) ------------
-  template <detail::pg_range R, reduce_op Op = sum>
-  void all_reduce(R&& data, Op op = {}) { all_reduce(detail::pg_span(data), op); }
-  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
-  void all_reduce(In&& in, Out&& out, Op op = {}) { all_reduce(detail::pg_const_span(in), detail::pg_span(out), op); }
-  template <detail::pg_range R, reduce_op Op = sum>
-  work all_reduce_async(R&& data, Op op = {}) { return all_reduce_async(detail::pg_span(data), op); }
-  template <detail::pg_range R>
-  void broadcast(R&& data, int root) { broadcast(detail::pg_span(data), root); }
-  template <detail::pg_range R>
-  work broadcast_async(R&& data, int root) { return broadcast_async(detail::pg_span(data), root); }
-  template <detail::pg_range R, reduce_op Op = sum>
-  void reduce(R&& data, int root, Op op = {}) { reduce(detail::pg_span(data), root, op); }
-  template <detail::pg_any_range In, detail::pg_any_range Out>
-  void all_gather(In&& in, Out&& out) { all_gather(detail::pg_const_span(in), detail::pg_span(out)); }
-  template <detail::pg_any_range In, detail::pg_any_range Out>
-  work all_gather_async(In&& in, Out&& out) { return all_gather_async(detail::pg_const_span(in), detail::pg_span(out)); }
-  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
-  void reduce_scatter(In&& in, Out&& out, Op op = {}) { reduce_scatter(detail::pg_const_span(in), detail::pg_span(out), op); }
-  template <detail::pg_any_range In, detail::pg_any_range Out, reduce_op Op = sum>
-  work reduce_scatter_async(In&& in, Out&& out, Op op = {}) {
-    return reduce_scatter_async(detail::pg_const_span(in), detail::pg_span(out), op);
-  }
-  template <detail::pg_any_range In, detail::pg_any_range Out>
-  void all_to_all(In&& in, Out&& out) { all_to_all(detail::pg_const_span(in), detail::pg_span(out)); }
-  template <detail::pg_any_range R>
-  void send(R&& data, int peer) { send(detail::pg_const_span(data), peer); }
-  template <detail::pg_range R>
-  void recv(R&& data, int peer) { recv(detail::pg_span(data), peer); }
+  using ranges = detail::pg_range_calls<process_group<B>>;
+  using ranges::all_reduce, ranges::all_reduce_async, ranges::broadcast, ranges::broadcast_async, ranges::reduce;
+  using ranges::all_gather, ranges::all_gather_async, ranges::reduce_scatter, ranges::reduce_scatter_async;
+  using ranges::all_to_all, ranges::send, ranges::recv;
 
   // --- memory ----------------------------------------------------------------------------------
   /// n elements that every same-host rank can address when the backend can provide such
