@@ -39,7 +39,7 @@ class scratch {
       data_ = own_.get();
       return;
     }
-    if (s.capacity < bytes) {
+    if (s.capacity < bytes || !s.memory) {  // data() is never null, even for 0 bytes (memcpy's contract)
       s.memory.reset();  // free first: the old and new buffer need not coexist
       s.memory = allocate_scratch(bytes);
       s.capacity = bytes;
