@@ -97,8 +97,9 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
   // Two receive chunks and (unless in place) two blocks of partial sums, all of W elements.
   const scratch<ring_receive_chunks> received(2 * chunk_max * ws);
   std::byte* const rbuf[2] = {received.data(), received.data() + chunk_max * ws};
-  const scratch<ring_partial_sums> partials(in_place ? 0 : 2 * largest * ws);
-  std::byte* const partial[2] = {partials.data(), partials.data() + (in_place ? 0 : largest * ws)};
+  const std::size_t partial_bytes = in_place ? 0 : largest * ws;
+  const scratch<ring_partial_sums> partials(2 * partial_bytes);
+  std::byte* const partial[2] = {partials.data(), partials.data() + partial_bytes};
   // Where step s keeps the partial sums of the block it receives.
   auto partial_of = [&](int s, int block) -> std::byte* {
     if (in_place) return const_cast<std::byte*>(in) + blocks.begin(block) * es;

@@ -482,14 +482,15 @@ class shm_communicator {
       b.offset = where->offset;
     }
     return b;
-  }  // Publishes where this rank's buffer for call c is, then waits until every peer has published
+  }
+
+  // Publishes where this rank's buffer for call c is, then waits until every peer has published
   // the same call (headers checked): the start of every call that is not small.
   void enter_with_buffer(std::uint64_t c, const collective_desc& d, deadline dl, const void* p, std::size_t bytes, bool unsafe_overlap) {
     const auto mine = describe(p, bytes, unsafe_overlap);
     publish(c, d, &mine, sizeof mine);
     enter(c, d, dl);
   }
-
 
   shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
     shm_direct::buffer_descriptor b;
