@@ -24,10 +24,9 @@ const std::string ddprun_exe = DDPRUN_EXE;
 const std::string ddprun_exe;
 #endif
 
-bool have_ddprun() {
+void require_ddprun() {
   if (ddprun_exe.empty() || ::access(ddprun_exe.c_str(), X_OK) != 0)
     ddp::test::skip("the ddprun binary was not built with this test (configure tools/ddprun)");  // exits 77
-  return true;
 }
 
 // ddprun [launcher args...] <this binary> --ddp-test-worker [worker args...]
@@ -90,7 +89,7 @@ bool has_line_with_words(const std::string& text, const std::vector<std::string>
 }  // namespace
 
 TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 runs two consistent workers") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   ddp::test::temp_dir dir;
   ddp::test::child_process p(ddprun({"--standalone", "--nnodes=1", "--nproc-per-node=2"}, {"env", dir.path}));
   const int code = p.wait(60s);
@@ -122,7 +121,7 @@ TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 runs two consistent
 }
 
 TEST_CASE("ddprun: a worker that exits 3 takes the job down within the grace period, named, no process left") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   ddp::test::temp_dir dir;
   const auto start = std::chrono::steady_clock::now();
   ddp::test::child_process p(ddprun({"--nproc-per-node=3", "--grace-period=1"}, {"fail", dir.path, "3", "1", "3"}));
@@ -139,7 +138,7 @@ TEST_CASE("ddprun: a worker that exits 3 takes the job down within the grace per
 }
 
 TEST_CASE("ddprun: a worker killed by SIGKILL is reported as a signal") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   ddp::test::temp_dir dir;
   ddp::test::child_process p(ddprun({"--nproc-per-node=2"}, {"killself", dir.path, "2", "1"}));
   const int code = p.wait(60s);
@@ -153,7 +152,7 @@ TEST_CASE("ddprun: a worker killed by SIGKILL is reported as a signal") {
 }
 
 TEST_CASE("ddprun: SIGTERM and SIGINT to the launcher stop every worker and their children") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   for (int sig : {SIGTERM, SIGINT}) {
     INFO("signal " << sig);
     ddp::test::temp_dir dir;
@@ -176,7 +175,7 @@ TEST_CASE("ddprun: SIGTERM and SIGINT to the launcher stop every worker and thei
 }
 
 TEST_CASE("ddprun: workers die with the launcher even when it is SIGKILLed") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   ddp::test::temp_dir dir;
   ddp::test::child_process p(ddprun({"--nproc-per-node=2"}, {"block", dir.path, "2"}));
   REQUIRE(p.wait_for_output("ready ", 2, 60s));
@@ -194,7 +193,7 @@ TEST_CASE("ddprun: workers die with the launcher even when it is SIGKILLed") {
 }
 
 TEST_CASE("ddprun --standalone: two concurrent launches get different ports") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   // Each job's rank 0 binds its MASTER_PORT (as the store would) and holds it until stdin
   // closes. The second job starts once the first holds its port, as a second job started on a
   // busy machine would: it must not be given the same port (torchrun's fixed 29500 would be).
@@ -214,7 +213,7 @@ TEST_CASE("ddprun --standalone: two concurrent launches get different ports") {
 }
 
 TEST_CASE("ddprun: bad flags and bad configuration give one line and a non-zero exit") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   struct bad_case {
     std::vector<std::string> args;
     std::string message;
@@ -247,7 +246,7 @@ TEST_CASE("ddprun: bad flags and bad configuration give one line and a non-zero 
 }
 
 TEST_CASE("ddprun: a bad environment gives one line on every rank and a non-zero exit") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   // Variables the launcher passes through to its workers; each worker reads its environment.
   const std::vector<std::pair<std::string, std::string>> table = {
       {"DDP_TIMEOUT", "abc"},
@@ -272,7 +271,7 @@ TEST_CASE("ddprun: a bad environment gives one line on every rank and a non-zero
 }
 
 TEST_CASE("ddprun --help and --info exit 0") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   {
     ddp::test::child_process p({ddprun_exe, "--help"});
     CHECK(p.wait(30s) == 0);
@@ -291,7 +290,7 @@ TEST_CASE("ddprun --help and --info exit 0") {
 }
 
 TEST_CASE("ddprun --prefix-output prefixes each worker line with its rank") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   ddp::test::child_process p(ddprun({"--nproc-per-node=2", "--prefix-output"}, {"echo"}));
   CHECK(p.wait(30s) == 0);
   INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
@@ -305,7 +304,7 @@ TEST_CASE("ddprun --prefix-output prefixes each worker line with its rank") {
 }
 
 TEST_CASE("ddprun --max-restarts restarts the group, and torchrun-only flags are accepted") {
-  if (!have_ddprun()) return;
+  require_ddprun();
   ddp::test::child_process p(
       ddprun({"--max-restarts=1", "--nproc_per_node=2", "--no-python", "--rdzv-backend=c10d", "--rdzv-endpoint", "localhost:0"},
              {"fail-once", "0", "7"}));

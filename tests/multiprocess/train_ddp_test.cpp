@@ -11,11 +11,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <dirent.h>
 #include <map>
 #include <signal.h>
 #include <fstream>
-#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -178,50 +176,20 @@ comparison check_against_golden(const run_output& run, int world) {
   return c;
 }
 
-bool have_binary() {
+void require_binary() {
   if (exe.empty() || ::access(exe.c_str(), X_OK) != 0)
     ddp::test::skip("the train_ddp binary was not built (examples off, or CLI11/Thrust missing)");  // exits 77
-  return true;
 }
 
-// The ranks a launcher started: its children that carry RANK in their environment, by rank.
-// Waits (until `timeout`) for `n` of them: a child is only seen once it has exec'd.
-std::map<int, pid_t> workers_of(pid_t launcher, std::size_t n, std::chrono::milliseconds timeout) {
-  const auto until = std::chrono::steady_clock::now() + timeout;
-  std::map<int, pid_t> found;
-  while (found.size() < n && std::chrono::steady_clock::now() < until) {
-    DIR* proc = ::opendir("/proc");
-    if (proc == nullptr) break;
-    while (const dirent* e = ::readdir(proc)) {
-      const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
-      if (pid <= 0) continue;
-      std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-      std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-      const auto close = text.rfind(')');
-      if (close == std::string::npos) continue;
-      std::istringstream fields(text.substr(close + 2));
-      std::string state;
-      long ppid = 0;
-      fields >> state >> ppid;
-      if (ppid != launcher) continue;
-      std::ifstream environ("/proc/" + std::to_string(pid) + "/environ");
-      for (std::string var; std::getline(environ, var, '\0');)
-        if (var.rfind("RANK=", 0) == 0) found[std::stoi(var.substr(5))] = pid;
-    }
-    ::closedir(proc);
-  }
-  return found;
-}
-
-void have_launcher_and_binary() {
-  have_binary();
+void require_launcher_and_binary() {
+  require_binary();
   if (ddprun_exe.empty() || ::access(ddprun_exe.c_str(), X_OK) != 0) ddp::test::skip("the ddprun binary was not built (tools off)");  // exits 77
 }
 
 }  // namespace
 
 TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 train_ddp --init-seed 0 prints PyTorch's lines") {
-  have_launcher_and_binary();
+  require_launcher_and_binary();
   ddp::test::child_process p({ddprun_exe, "--standalone", "--nnodes=1", "--nproc-per-node=2", exe, "--init-seed", "0"});
   const int code = p.wait(std::chrono::seconds(120));
   INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
@@ -230,12 +198,12 @@ TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 train_ddp --init-se
 }
 
 TEST_CASE("ddprun: a train_ddp rank killed mid-run ends the job within 5 s, named, with no process left") {
-  have_launcher_and_binary();
+  require_launcher_and_binary();
   // A job of many epochs: it is still training when a rank is killed.
   ddp::test::child_process p({ddprun_exe, "--standalone", "--nnodes=1", "--nproc-per-node=2", exe, "--samples", "65536",
                               "--hidden", "256", "--batch-size", "256", "--epochs", "100000"});
   REQUIRE(p.wait_for_output("Epoch 1: Rank 0 local loss sum = ", 1, std::chrono::seconds(120)));
-  const auto workers = workers_of(p.pid(), 2, std::chrono::seconds(10));
+  const auto workers = ddp::test::children_by_rank(p.pid(), 2, std::chrono::seconds(10));
   REQUIRE(workers.size() == 2);
   const auto killed_at = std::chrono::steady_clock::now();
   REQUIRE(::kill(workers.at(1), SIGKILL) == 0);
@@ -249,7 +217,7 @@ TEST_CASE("ddprun: a train_ddp rank killed mid-run ends the job within 5 s, name
 }
 
 TEST_CASE("train_ddp --init-seed 0 at world size 1 prints PyTorch's lines") {
-  if (!have_binary()) return;
+  require_binary();
   const auto run = run_train({"--init-seed", "0"}, "w1");
   const auto c = check_against_golden(run, 1);
   CHECK(run.report["simulated"].get<bool>() == false);
@@ -257,7 +225,7 @@ TEST_CASE("train_ddp --init-seed 0 at world size 1 prints PyTorch's lines") {
 }
 
 TEST_CASE("train_ddp --init-seed 0 as two real ranks prints PyTorch's lines, bit for bit") {
-  if (!have_binary()) return;
+  require_binary();
   const auto run = run_train({"--init-seed", "0", "--nproc-per-node", "2"}, "w2");
   const auto c = check_against_golden(run, 2);
   // Rank-order averaging of two gradients is exact, so the real run equals the simulation.
@@ -268,7 +236,7 @@ TEST_CASE("train_ddp --init-seed 0 as two real ranks prints PyTorch's lines, bit
 }
 
 TEST_CASE("train_ddp --simulate-world 2 (one process) equals PyTorch's W=2 simulation") {
-  if (!have_binary()) return;
+  require_binary();
   const auto run = run_train({"--init-seed", "0", "--simulate-world", "2"}, "sim2");
   const auto c = check_against_golden(run, 2);
   CHECK(run.report["simulated"].get<bool>() == true);
@@ -277,7 +245,7 @@ TEST_CASE("train_ddp --simulate-world 2 (one process) equals PyTorch's W=2 simul
 }
 
 TEST_CASE("train_ddp without --init-seed trains from random weights") {
-  if (!have_binary()) return;
+  require_binary();
   const auto run = run_train({"--nproc-per-node", "2", "--epochs", "1"}, "random");
   const auto lines = epoch_lines(run.output);
   REQUIRE(lines.size() == 1);
@@ -307,7 +275,7 @@ std::vector<double> golden_step_losses(int world) {
 }
 
 TEST_CASE("train_ddp --gemm fast stays within 1e-4 of PyTorch's losses") {
-  if (!have_binary()) return;
+  require_binary();
   for (int world : {1, 2}) {
     INFO("W=" << world);
     const auto run = run_train({"--init-seed", "0", "--gemm", "fast", "--nproc-per-node", std::to_string(world)},
@@ -322,7 +290,7 @@ TEST_CASE("train_ddp --gemm fast stays within 1e-4 of PyTorch's losses") {
 }
 
 TEST_CASE("train_ddp --gemm fast matches the exact path on ragged and compute-bound shapes") {
-  if (!have_binary()) return;
+  require_binary();
   // Batch and hidden sizes that are not multiples of the 8-row blocks or 8/16-column tiles (the
   // last batch is partial too), more than 2 classes, and the compute-bound job's shapes.
   const std::vector<std::vector<std::string>> shapes{
@@ -342,7 +310,7 @@ TEST_CASE("train_ddp --gemm fast matches the exact path on ragged and compute-bo
 }
 
 TEST_CASE("train_ddp rejects a bad option with a message") {
-  if (!have_binary()) return;
+  require_binary();
   auto result = ddp::test::run_ranks(
       1,
       [](int) {

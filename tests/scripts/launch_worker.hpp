@@ -240,16 +240,45 @@ inline std::map<int, std::vector<pid_t>> recorded_pids(const std::string& dir) {
   return out;
 }
 
+/// The fields of /proc/PID/stat after the command name ("S 1234 ...": state, parent pid, ...);
+/// empty when there is no such process.
+inline std::string stat_fields(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!in || !std::getline(in, stat)) return {};
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return {};
+  return stat.substr(close + 2);
+}
+
 /// True while pid names a process that has not ended (a zombie counts as ended).
 inline bool process_alive(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  if (!in) return false;
-  std::string stat;
-  std::getline(in, stat);
-  const auto close = stat.rfind(')');
-  if (close == std::string::npos || close + 2 >= stat.size()) return false;
-  const char state = stat[close + 2];
-  return state != 'Z' && state != 'X';
+  const std::string fields = stat_fields(pid);
+  return !fields.empty() && fields[0] != 'Z' && fields[0] != 'X';
+}
+
+/// The ranks a launcher started: its children that carry RANK in their environment, by rank.
+/// Looks (until `timeout`) for `n` of them: a child is only seen once it has exec'd.
+inline std::map<int, pid_t> children_by_rank(pid_t launcher, std::size_t n, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  std::map<int, pid_t> found;
+  while (found.size() < n && std::chrono::steady_clock::now() < until) {
+    DIR* proc = ::opendir("/proc");
+    if (proc == nullptr) break;
+    while (const dirent* e = ::readdir(proc)) {
+      const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+      if (pid <= 0) continue;
+      std::istringstream fields(stat_fields(pid));
+      char state = 0;
+      long ppid = 0;
+      if (!(fields >> state >> ppid) || ppid != launcher) continue;
+      std::ifstream environ("/proc/" + std::to_string(pid) + "/environ");
+      for (std::string var; std::getline(environ, var, '\0');)
+        if (var.rfind("RANK=", 0) == 0) found[std::stoi(var.substr(5))] = pid;
+    }
+    ::closedir(proc);
+  }
+  return found;
 }
 
 /// Waits (bounded) until process pid has ended; true when it has. Works for any process, not
