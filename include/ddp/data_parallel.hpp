@@ -21,6 +21,10 @@
 //    set (one gradient buffer, parameters in declaration order) makes every bucket a subspan of it,
 //    and that bucket is reduced in place with no copy. Otherwise gradients are copied into a bucket
 //    buffer (from group.allocate when the group has it: memory the backend may share) and back.
+//  - Device memory (parameters in thrust::device_vector with a device backend such as nccl):
+//    the same, with bucket buffers from group.allocate (device memory) filled and emptied by
+//    group.copy_memory; the backend orders its collectives after the kernels that wrote the
+//    gradients (see nccl_options::compute_stream).
 //  - mark_ready(i) says parameter i's gradient is final. When a bucket's last gradient is ready its
 //    asynchronous all-reduce (avg) starts at once, but only after every earlier bucket has started:
 //    all ranks then issue the same collectives in the same order whatever order their backward
@@ -73,6 +77,9 @@ template <class W>
 concept deadline_waitable = requires(W& w, deadline d) {
   { w.wait(d) } -> std::convertible_to<bool>;
 };
+/// The group copies memory in its backend's space (device memory): group.copy_memory(dst, src, n).
+template <class G>
+concept copies_memory = requires(G& g, void* dst, const void* src, std::size_t n) { g.copy_memory(dst, src, n); };
 template <class W>
 concept completion_queryable = requires(const W& w) {
   { w.is_completed() } -> std::convertible_to<bool>;
@@ -712,18 +719,20 @@ class distributed_data_parallel {
   }
 
   void allocate_buffer(bucket& bk, bool use_group_allocate) {
-    if (params_[bk.info.parameters.front()].memory != memory_space::host) {
+    const bool device = params_[bk.info.parameters.front()].memory != memory_space::host;
+    if (device && !detail::copies_memory<Group>) {
       throw error(errc::unavailable,
                   "bucket " + std::to_string(bk.index) +
-                      ": device-memory gradients must be one contiguous buffer in declaration order (copying them into "
-                      "bucket buffers is not supported)",
+                      ": its device-memory gradients are not one contiguous buffer in declaration order, and this group "
+                      "has no copy_memory to fill a bucket buffer with them",
                   context());
     }
     detail::visit_dtype(bk.info.type, [&](auto tag) {
       using T = typename decltype(tag)::type;
       const std::size_t n = bk.info.bytes / sizeof(T);
       if constexpr (requires(Group& g) { g.template allocate<T>(n); }) {
-        if (!use_group_allocate) {
+        // Device buckets always come from the group: it is the one that knows the device.
+        if (!use_group_allocate && !device) {
           auto owned = std::make_shared<std::vector<T>>(n);
           bk.view = std::as_writable_bytes(std::span<T>(*owned));
           bk.storage = std::move(owned);
@@ -736,6 +745,11 @@ class distributed_data_parallel {
         bk.view = std::as_writable_bytes(s.first(n));
         bk.storage = std::move(owned);
       } else {
+        if (device) {
+          throw error(errc::unavailable,
+                      "bucket " + std::to_string(bk.index) + ": its device-memory gradients need a bucket buffer, and this group has no allocate<T>(n)",
+                      context());
+        }
         auto owned = std::make_shared<std::vector<T>>(n);
         bk.view = std::as_writable_bytes(std::span<T>(*owned));
         bk.storage = std::move(owned);
@@ -796,7 +810,7 @@ class distributed_data_parallel {
     if (!b.info.in_place) {
       for (std::size_t j = 0; j < b.info.parameters.size(); ++j) {
         const auto& g = params_[b.info.parameters[j]].grad;
-        if (!g.empty()) std::memcpy(b.view.data() + b.offsets[j], g.data(), g.size());
+        copy_gradient_bytes(b, b.view.data() + b.offsets[j], g.data(), g.size());
       }
       copied_in_ += b.info.bytes;
     }
@@ -826,9 +840,21 @@ class distributed_data_parallel {
   std::uint64_t copy_out(bucket& b) {
     for (std::size_t j = 0; j < b.info.parameters.size(); ++j) {
       const auto& g = params_[b.info.parameters[j]].grad;
-      if (!g.empty()) std::memcpy(g.data(), b.view.data() + b.offsets[j], g.size());
+      copy_gradient_bytes(b, g.data(), b.view.data() + b.offsets[j], g.size());
     }
     return b.info.bytes;
+  }
+
+  // Between gradients and a bucket buffer: memcpy on host, the group's copy_memory on the device.
+  void copy_gradient_bytes(const bucket& b, std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n == 0) return;
+    if constexpr (detail::copies_memory<Group>) {
+      if (params_[b.info.parameters.front()].memory != memory_space::host) {
+        group_->copy_memory(dst, src, n);
+        return;
+      }
+    }
+    std::memcpy(dst, src, n);
   }
 
   void zero_gradient(std::size_t k) {

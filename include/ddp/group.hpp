@@ -180,6 +180,8 @@ class group : public detail::pg_range_calls<group> {
     auto owner = live().allocate(dtype_of<T>, n, &data, &shared);
     return group_buffer<T>(std::move(owner), static_cast<T*>(data), n, shared);
   }
+  /// Copies bytes in the backend's memory space (std::memcpy on host, cudaMemcpy for nccl).
+  void copy_memory(void* dst, const void* src, std::size_t bytes) { live().copy_memory(dst, src, bytes); }
   /// See process_group::new_group: every rank calls it; non-members get an invalid group.
   group new_group(std::vector<int> ranks) { return group(live().new_group(std::move(ranks))); }
 

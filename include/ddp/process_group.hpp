@@ -288,6 +288,10 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     }
   }
 
+  /// Copies bytes in the backend's memory space: std::memcpy for host memory, the backend's
+  /// copy_memory where it has one (device memory). Not sequenced with the collectives.
+  void copy_memory(void* dst, const void* src, std::size_t bytes) { copy_within(live(), dst, src, bytes); }
+
   // --- sub-groups ------------------------------------------------------------------------------
   /// A group of the given ranks of this group (sorted; duplicates are an error). Every rank of
   /// this group calls it, in the same order; non-members get an invalid group.
@@ -495,7 +499,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
         throw error(errc::invalid_argument, "in and out overlap partially: pass the same span for in-place", call_context(collective::all_reduce));
       }
       return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
-        if (in.data() != out.data() && !in.empty()) std::memcpy(out.data(), in.data(), in.size_bytes());
+        if (in.data() != out.data()) copy_within(*st, out.data(), in.data(), in.size_bytes());
         backend_all_reduce(*st, out, op, d, until);
       };
     }
@@ -530,12 +534,8 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   template <class T>
   auto all_gather_call(std::span<const T> in, std::span<T> out) {
     return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
-      std::vector<std::remove_cv_t<T>> copy;
-      std::span<const T> src = in;
-      if (detail::pg_overlap(in, out)) {  // e.g. in is this rank's slice of out
-        copy.assign(in.begin(), in.end());
-        src = copy;
-      }
+      const auto input = unaliased(*st, in, out);  // e.g. in is this rank's slice of out
+      const std::span<const T> src = input.data;
       if constexpr (detail::pg_ext_all_gather<B, T>) st->backend.all_gather(src, out, d, until);
       else st->backend.all_gather(src, out);
     };
@@ -545,12 +545,8 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   auto reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
     if constexpr (as_runtime_op<Op>) return reduce_scatter_call(in, out, runtime_op{Op::kind});
     else return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
-      std::vector<std::remove_cv_t<T>> copy;
-      std::span<const T> src = in;
-      if (detail::pg_overlap(in, out)) {
-        copy.assign(in.begin(), in.end());
-        src = copy;
-      }
+      const auto input = unaliased(*st, in, out);
+      const std::span<const T> src = input.data;
       if constexpr (detail::pg_ext_reduce_scatter<B, T, Op>) st->backend.reduce_scatter(src, out, op, d, until);
       else st->backend.reduce_scatter(src, out, op);
     };
@@ -560,12 +556,8 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   auto all_to_all_call(std::span<const T> in, std::span<T> out) {
     return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
       using V = std::remove_cv_t<T>;
-      std::vector<V> copy;
-      std::span<const T> src = in;
-      if (detail::pg_overlap(in, out)) {
-        copy.assign(in.begin(), in.end());
-        src = copy;
-      }
+      const auto input = unaliased(*st, in, out);
+      const std::span<const T> src = input.data;
       if constexpr (detail::pg_ext_all_to_all<B, T>) {
         st->backend.all_to_all(src, out, d, until);
       } else if constexpr (detail::pg_plain_all_to_all<B, T>) {
@@ -615,6 +607,41 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
         if constexpr (detail::pg_ext_recv<B, T>) st->backend.recv(data, peer, d, until);
         else st->backend.recv(data, peer);
       };
+    }
+  }
+
+  // --- memory the calls need -----------------------------------------------------------------
+  static void copy_within(state& s, void* dst, const void* src, std::size_t bytes) {
+    if constexpr (detail::pg_has_copy_memory<B>) {
+      s.backend.copy_memory(dst, src, bytes);
+    } else {
+      (void)s;
+      if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+    }
+  }
+
+  // An input the backend may read while it writes the output: a private copy when the two
+  // overlap (in the backend's memory space), else the input itself.
+  template <class T>
+  struct private_input {
+    std::shared_ptr<void> owner;
+    std::span<const T> data;
+  };
+  template <class T, class U>
+  static private_input<T> unaliased(state& s, std::span<const T> in, std::span<U> out) {
+    if (!detail::pg_overlap(in, out)) return {nullptr, in};
+    using V = std::remove_cv_t<T>;
+    if constexpr (B::memory == memory_space::device) {
+      static_assert(detail::pg_has_allocate<B, V> && detail::pg_has_copy_memory<B>,
+                    "a device-memory backend provides allocate<T>(n) and copy_memory(dst, src, bytes)");
+      using buffer = decltype(s.backend.template allocate<V>(in.size()));
+      auto owned = std::make_shared<buffer>(s.backend.template allocate<V>(in.size()));
+      s.backend.copy_memory(owned->data(), in.data(), in.size_bytes());
+      return {owned, std::span<const T>(owned->data(), in.size())};
+    } else {
+      (void)s;
+      auto owned = std::make_shared<std::vector<V>>(in.begin(), in.end());
+      return {owned, std::span<const T>(*owned)};
     }
   }
 

@@ -6,15 +6,20 @@
 // - the communicator is set up through the process group's store: rank 0 creates the
 //   ncclUniqueId and publishes it; it is created non-blocking (config.blocking = 0), so no
 //   NCCL call can hang the host;
-// - operations are stream-ordered on the backend's own stream (natively asynchronous);
-//   completion is a CUDA event; waiting polls the event and ncclCommGetAsyncError, and a
-//   deadline that passes aborts the communicator (ncclCommAbort), so a dead peer is an
-//   error, not a hang;
+// - operations run on the backend's own stream, ordered after the work already queued on the
+//   compute stream (nccl_options::compute_stream, by default the legacy default stream that
+//   Thrust and cuBLAS use unless told otherwise) through an event, so gradients produced by
+//   kernels still running are complete before NCCL reads them;
+// - a call returns when its stream work is complete; waiting polls the stream and
+//   ncclCommGetAsyncError, and a deadline that passes aborts the communicator (ncclCommAbort),
+//   so a dead peer is an error, not a hang;
+// - spans may also point to host memory (DDP's shape check, a loss to average): such operands
+//   are staged through a device buffer the backend keeps, so every process_group call works;
 // - every CUDA and NCCL return code is checked and reported with its error string and
 //   ncclGetLastError's text.
 //
-// Spans point to device memory. ddp::float16 / ddp::bfloat16 have the device types' bit
-// layout and map to ncclFloat16 / ncclBfloat16 (NCCL accumulates them itself).
+// ddp::float16 / ddp::bfloat16 have the device types' bit layout and map to ncclFloat16 /
+// ncclBfloat16 (NCCL accumulates them itself).
 
 #if !defined(DDP_HAS_NCCL)
 #error "<ddp/backends/nccl.hpp> needs CUDA and NCCL: link the CMake target ddp::nccl (found when CUDA and NCCL are installed)"
@@ -23,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/backends/cuda_memory.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
@@ -43,13 +50,8 @@ namespace ddp {
 
 namespace detail {
 
-inline void cuda_check(cudaError_t code, const char* call, const error_context& context = {}) {
-  if (code == cudaSuccess) return;
-  error_context c = context;
-  c.backend_code = static_cast<int>(code);
-  throw error(errc::cuda, std::string(call) + " failed: " + cudaGetErrorName(code) + ": " + cudaGetErrorString(code), std::move(c));
-}
-
+/// Throws errc::nccl naming the call and NCCL's text for the code (plus ncclGetLastError's).
+/// ncclInProgress is not an error: a non-blocking communicator is still working.
 inline void nccl_check(ncclResult_t code, const char* call, ncclComm_t comm = nullptr, const error_context& context = {}) {
   if (code == ncclSuccess || code == ncclInProgress) return;
   error_context c = context;
@@ -60,19 +62,24 @@ inline void nccl_check(ncclResult_t code, const char* call, ncclComm_t comm = nu
   throw error(errc::nccl, text, std::move(c));
 }
 
+constexpr ncclDataType_t nccl_datatype(dtype type) noexcept {
+  switch (type) {
+    case dtype::float32: return ncclFloat32;
+    case dtype::float64: return ncclFloat64;
+    case dtype::float16: return ncclFloat16;
+    case dtype::bfloat16: return ncclBfloat16;
+    case dtype::int32: return ncclInt32;
+    case dtype::int64: return ncclInt64;
+    case dtype::uint8: break;
+  }
+  return ncclUint8;
+}
 template <class T>
-constexpr ncclDataType_t nccl_datatype() {
-  using U = std::remove_cv_t<T>;
-  if constexpr (std::is_same_v<U, float>) return ncclFloat32;
-  else if constexpr (std::is_same_v<U, double>) return ncclFloat64;
-  else if constexpr (std::is_same_v<U, float16>) return ncclFloat16;
-  else if constexpr (std::is_same_v<U, bfloat16>) return ncclBfloat16;
-  else if constexpr (std::is_same_v<U, std::int32_t>) return ncclInt32;
-  else if constexpr (std::is_same_v<U, std::int64_t>) return ncclInt64;
-  else return ncclUint8;
+constexpr ncclDataType_t nccl_datatype() noexcept {
+  return nccl_datatype(dtype_of<std::remove_cv_t<T>>);
 }
 
-constexpr ncclRedOp_t nccl_op(reduce_kind kind) {
+constexpr ncclRedOp_t nccl_op(reduce_kind kind) noexcept {
   switch (kind) {
     case reduce_kind::sum: return ncclSum;
     case reduce_kind::avg: return ncclAvg;
@@ -83,16 +90,38 @@ constexpr ncclRedOp_t nccl_op(reduce_kind kind) {
   return ncclProd;
 }
 
+/// Rank 0 makes the unique id (make_id()) and publishes it under `key`; the others read it
+/// (store::get waits for it, up to the store's timeout).
+template <class MakeId>
+ncclUniqueId share_unique_id(store::store& rendezvous, int rank, const std::string& key, MakeId&& make_id) {
+  ncclUniqueId id;
+  if (rank == 0) {
+    id = make_id();
+    rendezvous.set(key, std::as_bytes(std::span(id.internal)));
+    return id;
+  }
+  const auto bytes = rendezvous.get(key);
+  if (bytes.size() != sizeof id.internal) {
+    throw error(errc::store, "store key '" + key + "' holds " + std::to_string(bytes.size()) + " bytes, not an NCCL unique id (" +
+                                 std::to_string(sizeof id.internal) + " bytes): another job or an older program uses this prefix",
+                {.rank = rank, .op = "nccl init"});
+  }
+  std::memcpy(id.internal, bytes.data(), sizeof id.internal);
+  return id;
+}
+
 }  // namespace detail
 
 struct nccl_options {
-  int local_rank = 0;                       // selects the device
-  std::string key_prefix = "ddp/nccl/";     // where rank 0 publishes the unique id
-  bool check_collectives = true;            // agree on each call's fingerprint (one 16-byte all-reduce ahead of it)
+  int local_rank = 0;                          // selects the device
+  std::string key_prefix = "ddp/nccl/";        // where rank 0 publishes the unique id
+  bool check_collectives = true;               // agree on each call's fingerprint (one 16-byte all-reduce ahead of it)
+  cudaStream_t compute_stream = cudaStreamLegacy;  // collectives start after the work queued here
 };
 
 class nccl_backend {
  public:
+  static constexpr std::string_view name = "nccl";
   static constexpr memory_space memory = memory_space::device;
   /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
   static constexpr bool runtime_reductions = true;
@@ -101,33 +130,31 @@ class nccl_backend {
   nccl_backend(store::store& rendezvous, int rank, int size, nccl_options options = {},
                deadline until = deadline::after(default_timeout()))
       : rank_(rank), size_(size), options_(std::move(options)) {
+    const error_context context{.rank = rank, .op = "nccl init"};
     int devices = 0;
-    detail::cuda_check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+    detail::cuda_check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount", context);
     if (options_.local_rank >= devices) {
-      throw error(errc::cuda, "local rank " + std::to_string(options_.local_rank) + " needs device " +
-                                  std::to_string(options_.local_rank) + " but only " + std::to_string(devices) +
-                                  " CUDA device(s) are visible (check CUDA_VISIBLE_DEVICES and --nproc-per-node)",
-                  {.rank = rank});
+      throw error(errc::cuda,
+                  "local rank " + std::to_string(options_.local_rank) + " needs device " + std::to_string(options_.local_rank) +
+                      " but only " + std::to_string(devices) +
+                      " CUDA device(s) are visible (check CUDA_VISIBLE_DEVICES and --nproc-per-node)",
+                  context);
     }
     device_ = options_.local_rank;
-    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    detail::cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&fingerprint_), 2 * sizeof(std::uint64_t)), "cudaMalloc");
+    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", context);
+    detail::cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", context);
+    detail::cuda_check(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags", context);
+    detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&fingerprint_), 2 * sizeof(std::uint64_t)), "cudaMalloc", context);
 
-    ncclUniqueId id;
-    const std::string key = options_.key_prefix + "unique_id";
-    if (rank == 0) {
-      detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-      rendezvous.set(key, std::as_bytes(std::span(id.internal)));
-    } else {
-      const auto bytes = rendezvous.get(key);
-      if (bytes.size() != sizeof id.internal) throw error(errc::store, "store key '" + key + "' does not hold an NCCL unique id");
-      std::memcpy(id.internal, bytes.data(), sizeof id.internal);
-    }
+    const ncclUniqueId id = detail::share_unique_id(rendezvous, rank, options_.key_prefix + "unique_id", [] {
+      ncclUniqueId made;
+      detail::nccl_check(ncclGetUniqueId(&made), "ncclGetUniqueId");
+      return made;
+    });
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    detail::nccl_check(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig", comm_);
-    wait_comm_ready({.rank = rank, .op = "nccl init"}, until);
+    detail::nccl_check(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig", comm_, context);
+    wait_comm_ready(context, until);
   }
 
   nccl_backend(const nccl_backend&) = delete;
@@ -135,11 +162,13 @@ class nccl_backend {
   // Movable so that a process_group can own it; the moved-from backend holds nothing.
   nccl_backend(nccl_backend&& other) noexcept
       : rank_(other.rank_), size_(other.size_), device_(other.device_), options_(std::move(other.options_)),
-        stream_(std::exchange(other.stream_, nullptr)), comm_(std::exchange(other.comm_, nullptr)),
-        fingerprint_(std::exchange(other.fingerprint_, nullptr)), seq_(other.seq_), aborted_(other.aborted_.load()) {}
+        stream_(std::exchange(other.stream_, nullptr)), inputs_ready_(std::exchange(other.inputs_ready_, nullptr)),
+        comm_(std::exchange(other.comm_, nullptr)), fingerprint_(std::exchange(other.fingerprint_, nullptr)),
+        staging_(std::move(other.staging_)), seq_(other.seq_), aborted_(other.aborted_.load()) {}
   nccl_backend& operator=(nccl_backend&&) = delete;
 
   ~nccl_backend() {
+    if (stream_ != nullptr) cudaSetDevice(device_);
     if (comm_ != nullptr) {
       if (aborted_.load()) {
         ncclCommAbort(comm_);
@@ -152,7 +181,9 @@ class nccl_backend {
         else ncclCommAbort(comm_);
       }
     }
+    staging_ = {};
     if (fingerprint_ != nullptr) cudaFree(fingerprint_);
+    if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -161,6 +192,21 @@ class nccl_backend {
   int device() const noexcept { return device_; }
   cudaStream_t stream() const noexcept { return stream_; }
   ncclComm_t communicator() const noexcept { return comm_; }
+
+  /// n elements of this backend's device memory (process_group::allocate; DDP's bucket buffers).
+  template <dtype_like T>
+  device_buffer<T> allocate(std::size_t n) {
+    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", {.rank = rank_});
+    return device_buffer<T>(n);
+  }
+  /// Copies bytes between any two buffers the device can reach or the host (cudaMemcpyDefault);
+  /// returns when the copy is complete. Ordered after the work already queued on the legacy
+  /// default stream, as every cudaMemcpy is.
+  void copy_memory(void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0 || dst == src) return;
+    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", {.rank = rank_});
+    detail::cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy", {.rank = rank_});
+  }
 
   // --- the plain backend interface ---------------------------------------------------
   template <dtype_like T, any_reduce_op Op>
@@ -177,57 +223,63 @@ class nccl_backend {
   }
   void barrier() { barrier(next<std::uint8_t>(collective::barrier, 0), default_deadline()); }
 
-  // --- stream-ordered enqueue + wait (the extended interface) --------------------------
+  // --- with the group's fingerprint and deadline (the extended interface) --------------
   template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
-    run(desc, until, [&] {
-      return ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
+    run(desc, until, {operand::in_out(data)}, [&](void* const* p) {
+      return ncclAllReduce(p[0], p[0], data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
     });
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
-    run(desc, until, [&] { return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), root, comm_, stream_); });
+    run(desc, until, {operand::in_out(data)},
+        [&](void* const* p) { return ncclBroadcast(p[0], p[0], data.size(), detail::nccl_datatype<T>(), root, comm_, stream_); });
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
-    run(desc, until, [&] {
-      return ncclReduce(data.data(), data.data(), data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), root, comm_, stream_);
+    run(desc, until, {operand::in_out(data)}, [&](void* const* p) {
+      return ncclReduce(p[0], p[0], data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), root, comm_, stream_);
     });
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    run(desc, until, [&] { return ncclAllGather(in.data(), out.data(), in.size(), detail::nccl_datatype<T>(), comm_, stream_); });
+    run(desc, until, {operand::input(in), operand::output(out)},
+        [&](void* const* p) { return ncclAllGather(p[0], p[1], in.size(), detail::nccl_datatype<T>(), comm_, stream_); });
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
-    run(desc, until, [&] {
-      return ncclReduceScatter(in.data(), out.data(), out.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
+    run(desc, until, {operand::input(in), operand::output(out)}, [&](void* const* p) {
+      return ncclReduceScatter(p[0], p[1], out.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
     });
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
     const std::size_t block = in.size() / static_cast<std::size_t>(size_);
-    run(desc, until, [&] {
+    run(desc, until, {operand::input(in), operand::output(out)}, [&](void* const* p) {
+      const auto* source = static_cast<const T*>(p[0]);
+      auto* target = static_cast<T*>(p[1]);
       ncclResult_t result = ncclGroupStart();
       for (int peer = 0; peer < size_ && result == ncclSuccess; ++peer) {
         const auto offset = block * static_cast<std::size_t>(peer);
-        result = ncclSend(in.data() + offset, block, detail::nccl_datatype<T>(), peer, comm_, stream_);
-        if (result == ncclSuccess) result = ncclRecv(out.data() + offset, block, detail::nccl_datatype<T>(), peer, comm_, stream_);
+        result = ncclSend(source + offset, block, detail::nccl_datatype<T>(), peer, comm_, stream_);
+        if (result == ncclSuccess) result = ncclRecv(target + offset, block, detail::nccl_datatype<T>(), peer, comm_, stream_);
       }
       const ncclResult_t end = ncclGroupEnd();
       return result != ncclSuccess ? result : end;
     });
   }
   void barrier(const collective_desc& desc, deadline until) {
-    run(desc, until, [&] { return ncclAllReduce(fingerprint_, fingerprint_, 1, ncclUint64, ncclMax, comm_, stream_); });
+    run(desc, until, {}, [&](void* const*) { return ncclAllReduce(fingerprint_, fingerprint_, 1, ncclUint64, ncclMax, comm_, stream_); });
   }
   template <dtype_like T>
   void send(std::span<const T> data, int peer, const collective_desc& desc, deadline until) {
-    run_unchecked(desc, until, [&] { return ncclSend(data.data(), data.size(), detail::nccl_datatype<T>(), peer, comm_, stream_); });
+    run_unchecked(desc, until, {operand::input(data)},
+                  [&](void* const* p) { return ncclSend(p[0], data.size(), detail::nccl_datatype<T>(), peer, comm_, stream_); });
   }
   template <dtype_like T>
   void recv(std::span<T> data, int peer, const collective_desc& desc, deadline until) {
-    run_unchecked(desc, until, [&] { return ncclRecv(data.data(), data.size(), detail::nccl_datatype<T>(), peer, comm_, stream_); });
+    run_unchecked(desc, until, {operand::output(data)},
+                  [&](void* const* p) { return ncclRecv(p[0], data.size(), detail::nccl_datatype<T>(), peer, comm_, stream_); });
   }
   template <dtype_like T>
   void send(std::span<const T> data, int peer) { send(data, peer, collective_desc{.op = collective::send, .type = dtype_of<T>, .count = data.size()}, default_deadline()); }
@@ -238,6 +290,22 @@ class nccl_backend {
   void abort() noexcept { aborted_.store(true); }
 
  private:
+  // One buffer a collective reads (in), writes (out), or both; host memory is staged.
+  struct operand {
+    const void* read = nullptr;  // copied to the device before the operation when staged
+    void* write = nullptr;       // copied back to the host after it when staged
+    std::size_t bytes = 0;
+    template <class T>
+    static operand in_out(std::span<T> s) { return {s.data(), s.data(), s.size_bytes()}; }
+    template <class T>
+    static operand input(std::span<const T> s) { return {s.data(), nullptr, s.size_bytes()}; }
+    template <class T>
+    static operand output(std::span<T> s) { return {nullptr, s.data(), s.size_bytes()}; }
+    const void* address() const noexcept { return read != nullptr ? read : write; }
+  };
+  static constexpr std::size_t max_operands = 2;
+  using operands = std::array<operand, max_operands>;
+
   template <class T>
   collective_desc next(collective op, std::size_t n, reduce_kind reduction = reduce_kind::sum, int root = -1) {
     return collective_desc{.seq = seq_++, .op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .count = n};
@@ -245,38 +313,66 @@ class nccl_backend {
   static deadline default_deadline() { return deadline::after(default_timeout()); }
 
   // Agrees on the fingerprint (MAX over {h, ~h} is {h, ~h} everywhere only if all are equal),
-  // enqueues the operation, and waits for both.
+  // then runs the operation.
   template <class Enqueue>
-  void run(const collective_desc& desc, deadline until, Enqueue&& enqueue) {
+  void run(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
     const auto context = desc.context(rank_);
-    std::uint64_t mine[2] = {0, 0};
     if (options_.check_collectives && size_ > 1) {
       const auto header = wire_header::encode(normalized(desc));
       std::uint64_t h = 1469598103934665603ull;
       for (unsigned char b : header.bytes) h = (h ^ b) * 1099511628211ull;
-      mine[0] = h;
-      mine[1] = ~h;
-      detail::cuda_check(cudaMemcpyAsync(fingerprint_, mine, sizeof mine, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync", context);
-      detail::nccl_check(ncclAllReduce(fingerprint_, fingerprint_, 2, ncclUint64, ncclMax, comm_, stream_), "ncclAllReduce", comm_, context);
-      wait_stream(context, until);
-      std::uint64_t agreed[2];
-      detail::cuda_check(cudaMemcpy(agreed, fingerprint_, sizeof agreed, cudaMemcpyDeviceToHost), "cudaMemcpy", context);
-      if (agreed[0] != mine[0] || agreed[1] != mine[1]) {
+      std::uint64_t agreed[2] = {h, ~h};
+      run_unchecked(desc, until, {operand::in_out(std::span<std::uint64_t>(agreed))}, [&](void* const* p) {
+        return ncclAllReduce(p[0], p[0], 2, ncclUint64, ncclMax, comm_, stream_);
+      });
+      if (agreed[0] != h || agreed[1] != ~h) {
         throw error(errc::mismatch, "ranks called different collectives at this sequence number (NCCL reports no details: run with "
                                     "the ring backend to see both calls)", context);
       }
     }
-    run_unchecked(desc, until, std::forward<Enqueue>(enqueue));
+    run_unchecked(desc, until, ops, std::forward<Enqueue>(enqueue));
   }
 
+  // Stages host operands, orders the stream after the compute stream, enqueues, waits for the
+  // stream (with the deadline), and copies staged results back.
   template <class Enqueue>
-  void run_unchecked(const collective_desc& desc, deadline until, Enqueue&& enqueue) {
+  void run_unchecked(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
     const auto context = desc.context(rank_);
     if (aborted_.load() || comm_ == nullptr) throw error(errc::peer_lost, "the NCCL communicator was aborted by an earlier error", context);
-    detail::nccl_check(enqueue(), to_string(desc.op).data(), comm_, context);
+    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", context);  // the calling thread may be the group's
+
+    std::array<void*, max_operands> device{};
+    std::array<bool, max_operands> staged{};
+    std::size_t staging_bytes = 0;
+    for (std::size_t i = 0; i < max_operands; ++i) {
+      if (ops[i].bytes == 0 || detail::device_addressable(ops[i].address())) continue;
+      staged[i] = true;
+      staging_bytes += round_up(ops[i].bytes);
+    }
+    if (staging_bytes > staging_.size()) staging_ = device_buffer<std::uint8_t>(staging_bytes);
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < max_operands; ++i) {
+      device[i] = const_cast<void*>(ops[i].address());
+      if (!staged[i]) continue;
+      device[i] = staging_.data() + offset;
+      offset += round_up(ops[i].bytes);
+      if (ops[i].read != nullptr)
+        detail::cuda_check(cudaMemcpyAsync(device[i], ops[i].read, ops[i].bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync", context);
+    }
+    if (options_.compute_stream != stream_) {
+      detail::cuda_check(cudaEventRecord(inputs_ready_, options_.compute_stream), "cudaEventRecord", context);
+      detail::cuda_check(cudaStreamWaitEvent(stream_, inputs_ready_, 0), "cudaStreamWaitEvent", context);
+    }
+    detail::nccl_check(enqueue(device.data()), to_string(desc.op).data(), comm_, context);
     wait_comm_ready(context, until);
+    for (std::size_t i = 0; i < max_operands; ++i) {
+      if (staged[i] && ops[i].write != nullptr)
+        detail::cuda_check(cudaMemcpyAsync(ops[i].write, device[i], ops[i].bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", context);
+    }
     wait_stream(context, until);
   }
+
+  static std::size_t round_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
   // Non-blocking communicators return ncclInProgress while an enqueue completes.
   void wait_comm_ready(const error_context& context, deadline until) {
@@ -331,8 +427,10 @@ class nccl_backend {
   int device_ = 0;
   nccl_options options_;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t inputs_ready_ = nullptr;  // recorded on the compute stream, waited for by stream_
   ncclComm_t comm_ = nullptr;
   std::uint64_t* fingerprint_ = nullptr;
+  device_buffer<std::uint8_t> staging_;  // host operands pass through here (grown on demand)
   std::uint64_t seq_ = 0;
   std::atomic<bool> aborted_{false};
 };

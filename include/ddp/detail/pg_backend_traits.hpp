@@ -6,7 +6,9 @@
 //    group's fingerprint and deadline and enforces both itself;
 //  - reduce, all_to_all, send/recv (optional collectives);
 //  - split(ranks, tag) -> B: a backend over a subset of the ranks (new_group);
-//  - allocate<T>(n): memory that every same-host rank can address;
+//  - allocate<T>(n): memory that every same-host rank can address (or, for a device backend,
+//    device memory of its own);
+//  - copy_memory(dst, src, bytes): copies in the backend's memory space (device memory);
 //  - missing_ranks(): after abort(), the ranks that had not joined the collective;
 //  - runtime_reductions: reducing collectives take a ddp::runtime_op (one instantiation for all kinds).
 
@@ -60,6 +62,8 @@ concept pg_has_split = requires(const B& b, std::span<const int> ranks, const st
 };
 template <class B, class T>
 concept pg_has_allocate = requires(B& b, std::size_t n) { b.template allocate<T>(n); };
+template <class B>
+concept pg_has_copy_memory = requires(B& b, void* dst, const void* src, std::size_t n) { b.copy_memory(dst, src, n); };
 template <class B>
 concept pg_has_missing_ranks = requires(const B& b) {
   { b.missing_ranks() } -> std::convertible_to<std::vector<int>>;

@@ -69,6 +69,7 @@ class pg_group_interface {
   virtual std::unique_ptr<pg_group_interface> new_group(std::vector<int> ranks) = 0;
   /// Memory for n elements of `type`; *data points at it, *shared says whether same-host ranks can address it.
   virtual std::shared_ptr<void> allocate(dtype type, std::size_t n, void** data, bool* shared) = 0;
+  virtual void copy_memory(void* dst, const void* src, std::size_t bytes) = 0;
 };
 
 template <class B>
@@ -105,6 +106,8 @@ class pg_group_model final : public pg_group_interface {
       return holder;
     });
   }
+
+  void copy_memory(void* dst, const void* src, std::size_t bytes) override { group_.copy_memory(dst, src, bytes); }
 
   work call(const pg_erased_call& c, bool async) override {
     return pg_visit_dtype(c.type, [&](auto tag) -> work {
