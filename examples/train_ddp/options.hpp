@@ -20,7 +20,11 @@ struct options {
   int classes = 2;
   std::uint64_t data_seed = 42;
   std::int64_t sampler_seed = 0;
+#if defined(__CUDACC__) && defined(DDP_HAS_NCCL)
+  std::string backend = "nccl";  // the CUDA build reduces device memory, as PyTorch's GPU tutorial does
+#else
   std::string backend = "ring";
+#endif
   std::optional<std::uint64_t> init_seed;  // none: random weights, made equal by DDP's broadcast
   std::string report;                      // JSON report path (rank 0 writes it)
   int nproc_per_node = 1;                  // > 1 and RANK unset: relaunch as N ranks

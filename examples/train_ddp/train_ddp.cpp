@@ -37,6 +37,9 @@
 #if defined(DDP_HAS_MPI)
 #include "ddp/mpi.hpp"  // registers --backend mpi
 #endif
+#if defined(__CUDACC__) && defined(DDP_HAS_NCCL)
+#include "ddp/nccl.hpp"  // registers --backend nccl: gradients reduced in device memory
+#endif
 
 namespace train {
 
@@ -79,8 +82,9 @@ inline std::vector<float> initial_values(const options& o) {
   return v;
 }
 
-/// The parameters DDP synchronizes: spans over the model's flat buffers (CPU build: in place, no
-/// copy), or over host mirrors of the device buffers (CUDA build with a host-memory backend).
+/// The parameters DDP synchronizes: spans over the model's flat buffers, reduced in place (CPU
+/// build; CUDA build with a device-memory backend such as nccl), or over host mirrors of the
+/// device buffers (CUDA build with a host-memory backend such as ring).
 struct flat_params {
   std::span<float> values, grads;
   const std::vector<tensor_slot>* slots = nullptr;
@@ -199,21 +203,24 @@ int run_distributed(const options& o, Gemm gemm) {
   mlp<Gemm> model(o.features, o.hidden, o.classes, gemm);
   model.set_values(initial_values(o));
 
-  // CPU build: DDP reduces the model's own gradient buffer in place. CUDA build: through host
-  // mirrors (the ring backend works on host memory; NCCL would take the device buffers directly).
+  // DDP reduces the model's own gradient buffer in place when the backend works where the model
+  // lives (CPU build; CUDA build with nccl). A CUDA model with a host-memory backend (ring, mpi)
+  // goes through host mirrors, copied each step.
+  const bool host_mirrors = cuda_build && group.memory() == ddp::memory_space::host;
   std::vector<float> host_values, host_grads;
-  flat_params params{{}, {}, &model.slots()};
-  if constexpr (cuda_build) {
+  flat_params params{{}, {}, &model.slots(), cuda_build ? ddp::memory_space::device : ddp::memory_space::host};
+  if (host_mirrors) {
     host_values = model.host_values();
     host_grads.assign(host_values.size(), 0.0f);
     params.values = host_values;
     params.grads = host_grads;
+    params.memory = ddp::memory_space::host;
   } else {
     params.values = {model.value_data(), model.numel()};
     params.grads = {model.grad_data(), model.numel()};
   }
   ddp::distributed_data_parallel net{params, group};  // checks shapes on every rank, broadcasts rank 0
-  if constexpr (cuda_build) model.set_values(host_values);
+  if (host_mirrors) model.set_values(host_values);
 
   ddp::distributed_sampler sampler{data.n, world, rank, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed}};
   report rep = base_report(o, Gemm::name);
@@ -232,7 +239,7 @@ int run_distributed(const options& o, Gemm gemm) {
       float loss = 0;
       const auto step_start = clock::now();
       clock::time_point backward_done;
-      if constexpr (cuda_build) {
+      if (host_mirrors) {
         loss = model.forward_backward(data, batch);
         backward_done = clock::now();
         thrust::copy(model.grads().begin(), model.grads().end(), host_grads.begin());
