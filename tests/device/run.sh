@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU checks, in one command, on a machine with CUDA, NCCL and at least one GPU:
+#
+#   tools/install-deps.sh          # once (Debian packages; CUDA and NCCL come with the toolkit)
+#   tests/device/run.sh            # configure with CUDA, build, run every GPU check, print a summary
+#
+# 1. configure (CMAKE_CUDA_ARCHITECTURES=native unless CUDA_ARCH says otherwise) and build the
+#    device targets;
+# 2. ctest -L "gpu|nccl": NCCL collectives of every dtype and reduction against host references,
+#    host operands, compute-stream ordering, mismatch and deadline (these two need 2 GPUs), DDP on
+#    thrust::device_vector, the host-side logic, the benchmark's checked short sweep;
+# 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
+#    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2);
+# 4. ddp_bench_nccl: the all-reduce busbw sweep through ddp next to ncclAllReduce called directly
+#    (the ratio is the wrapper's cost; goal >= 0.95 from 64 KiB).
+#
+# Results (logs, the benchmark's table and CSV, train reports) go to $DDP_DEVICE_OUT (default
+# build/device/results). Exit status: 0 when every step passed, 1 when one failed, 77 (skipped)
+# when no GPU is visible: then the GPU tests only prove that they skip.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+build=${DDP_DEVICE_BUILD:-build/device}
+out=${DDP_DEVICE_OUT:-$build/results}
+arch=${CUDA_ARCH:-native}
+jobs=${JOBS:-$(nproc)}
+mkdir -p "$out"
+
+summary=()
+failed=0
+step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records PASS/FAIL
+  local name=$1
+  shift
+  echo
+  echo "=== $name"
+  local log="$out/${name// /_}.log"
+  if "$@" 2>&1 | tee "$log"; then
+    summary+=("PASS  $name")
+  else
+    summary+=("FAIL  $name (log: $log)")
+    failed=1
+  fi
+}
+finish() {
+  echo
+  echo "=== summary"
+  printf '%s\n' "${summary[@]}"
+  if [ "$failed" -ne 0 ]; then exit 1; fi
+  if [ "$gpus" -eq 0 ]; then
+    echo "SKIPPED: no GPU visible; the GPU tests reported SKIPPED, nothing ran on a device"
+    exit 77
+  fi
+  exit 0
+}
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi -L || true
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+echo "GPUs visible: $gpus"
+if [ "$gpus" -eq 0 ]; then arch=${CUDA_ARCH:-75}; fi  # "native" needs a GPU to look at
+
+step "configure" cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+  -DDDP_BUILD_HOST_TESTS=OFF -DDDP_EXAMPLES=train_ddp
+if ! grep -q 'NCCL ON' "$out/configure.log"; then
+  summary+=("FAIL  CMake found no CUDA compiler or no NCCL (see $out/configure.log): install the CUDA toolkit and NCCL")
+  failed=1
+  finish
+fi
+step "build" cmake --build "$build" -j "$jobs" --target nccl_host_logic_test nccl_backend_test ddp_device_test \
+  ddp_bench_nccl train_ddp train_ddp_cuda
+[ "$failed" -eq 0 ] || finish
+
+step "gpu tests" ctest --test-dir "$build" -L "gpu|nccl" --output-on-failure --timeout 300
+
+# The CUDA build against the CPU build: the numbers of "Epoch N: Rank 0 local loss sum = X".
+cpu="$build/examples/train_ddp/train_ddp"
+cuda="$build/examples/train_ddp/train_ddp_cuda"
+compare_lines() {  # compare_lines EXPECTED_FILE ACTUAL_FILE
+  paste -d' ' <(grep -o '= [-0-9.]*$' "$1" | cut -c3-) <(grep -o '= [-0-9.]*$' "$2" | cut -c3-) |
+    awk 'BEGIN { n = 0; bad = 0 } { n++; d = $1 - $2; if (d < 0) d = -d; if ($2 == "" || d > 1e-4) bad++;
+         printf "epoch %d: cpu %s cuda %s |diff| %.2g\n", n, $1, $2, d }
+         END { if (n != 3 || bad) { print "MISMATCH"; exit 1 } }'
+}
+train_check() {  # train_check LABEL EXTRA_ARGS...
+  local label=$1
+  shift
+  "$cpu" --init-seed 0 "$@" --backend ring > "$out/train_cpu_$label.txt" || return 1
+  "$cuda" --init-seed 0 "$@" --gemm exact --report "$out/train_cuda_exact_$label.json" > "$out/train_cuda_exact_$label.txt" || return 1
+  "$cuda" --init-seed 0 "$@" --gemm cublas --report "$out/train_cuda_cublas_$label.json" > "$out/train_cuda_cublas_$label.txt" || return 1
+  cat "$out/train_cuda_exact_$label.txt"
+  echo "exact GEMM:"
+  compare_lines "$out/train_cpu_$label.txt" "$out/train_cuda_exact_$label.txt" || return 1
+  echo "cuBLAS GEMM:"
+  compare_lines "$out/train_cpu_$label.txt" "$out/train_cuda_cublas_$label.txt" || return 1
+  grep -o '"peak_device_memory_bytes": *[0-9-]*' "$out/train_cuda_exact_$label.json" || true
+}
+if [ "$gpus" -ge 1 ]; then
+  step "train_ddp_cuda vs cpu, 1 rank" train_check w1
+  if [ "$gpus" -ge 2 ]; then
+    step "train_ddp_cuda vs cpu, 2 ranks" train_check w2 --nproc-per-node 2
+  fi
+  step "nccl all-reduce sweep" "$build/bench/nccl/ddp_bench_nccl" --np "$gpus" --check
+else
+  summary+=("SKIP  train_ddp_cuda vs cpu: no GPU")
+  summary+=("SKIP  nccl all-reduce sweep: no GPU")
+fi
+finish
