@@ -9,15 +9,18 @@
 // of p gradients inside float16's range (65504) where a sum-then-divide could overflow.
 // Precision: each rank's contribution is rounded once (relative error <= 2^-11 for float16,
 // 2^-8 for bfloat16), plus whatever rounding the backend's half-precision sum does.
-// Buckets that are already half precision, or integers, get the plain average.
+// Buckets that are already half precision, or integers, get the plain average. Host buckets
+// only: with a device-memory group (nccl) the hook is errc::unavailable.
 
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
+#include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/data_parallel.hpp"
 
@@ -72,6 +75,14 @@ template <class Half>
 struct compress_hook {
   template <collective_group G>
   any_work operator()(const bucket_view& b, G& group) const {
+    if (group_memory(group) != memory_space::host) {
+      // The rounding loops run on the host; a device bucket would need a kernel.
+      throw error(errc::unavailable,
+                  "fp16_compress / bf16_compress round on the host, but bucket " + std::to_string(b.index) +
+                      " is in device memory: with a device backend (nccl) keep the default averaging or write a hook that "
+                      "converts on the device",
+                  {.rank = static_cast<int>(group.rank()), .op = "distributed_data_parallel"});
+    }
     if (b.type == dtype::float32) return compressed<float>(b, group);
     if (b.type == dtype::float64) return compressed<double>(b, group);
     return visit_dtype(b.type, [&](auto tag) -> any_work {

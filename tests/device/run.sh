@@ -68,8 +68,17 @@ if ! grep -q 'NCCL ON' "$out/configure.log"; then
   failed=1
   finish
 fi
-step "build" cmake --build "$build" -j "$jobs" --target nccl_host_logic_test nccl_backend_test ddp_device_test \
-  ddp_bench_nccl train_ddp train_ddp_cuda
+build_targets() {  # one make per target, side by side (a make given several targets runs them in turn)
+  cmake --build "$build" --target ddp_catch_main || return 1
+  local pids=() target status=0
+  for target in nccl_host_logic_test nccl_backend_test ddp_device_test ddp_bench_nccl train_ddp train_ddp_cuda; do
+    cmake --build "$build" -j "$jobs" --target "$target" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  return $status
+}
+step "build" build_targets
 [ "$failed" -eq 0 ] || finish
 
 step "gpu tests" ctest --test-dir "$build" -L "gpu|nccl" --output-on-failure --timeout 300

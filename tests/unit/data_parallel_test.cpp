@@ -609,6 +609,92 @@ TEST_CASE("ddp: device-memory parameters are refused by a host group", "[ddp]") 
         std::string::npos);
 }
 
+namespace {
+// A group that says its backend works on device memory, with the two things DDP then needs of it:
+// allocate<T>(n) for bucket buffers and copy_memory for moving gradients in and out. The
+// "device" is host memory, so the averages can be checked here.
+class fake_device_group : public fake_group_with_allocate {
+ public:
+  using fake_group_with_allocate::fake_group_with_allocate;
+  static constexpr ddp::memory_space memory() { return ddp::memory_space::device; }
+  void copy_memory(void* dst, const void* src, std::size_t bytes) {
+    ++copies;
+    copied_bytes += bytes;
+    std::memcpy(dst, src, bytes);
+  }
+  int copies = 0;
+  std::size_t copied_bytes = 0;
+};
+class fake_device_group_without_copy : public fake_group_with_allocate {
+ public:
+  using fake_group_with_allocate::fake_group_with_allocate;
+  static constexpr ddp::memory_space memory() { return ddp::memory_space::device; }
+};
+
+std::vector<ddp::parameter_ref> device_refs(separate_model<float>& m) {
+  std::vector<ddp::parameter_ref> refs;
+  for (std::size_t i = 0; i < m.count(); ++i)
+    refs.push_back(ddp::make_parameter(std::span(m.layers[i].first), std::span(m.layers[i].second), {}, "", ddp::memory_space::device));
+  return refs;
+}
+}  // namespace
+
+TEST_CASE("ddp: device parameters apart in memory go through group.allocate buffers and group.copy_memory", "[ddp]") {
+  for (int p : {1, 2, 3}) {
+    fake_world world(p);
+    const auto errors = run_threads<fake_device_group>(world, [&](int r, fake_device_group& g) {
+      separate_model<float> m(sizes);
+      auto refs = device_refs(m);
+      ddp::distributed_data_parallel net{refs, g, {.bucket_cap_bytes = 2048, .first_bucket_bytes = 256}};
+      const auto stats = net.stats();
+      std::size_t copied_buckets_bytes = 0;
+      for (const auto& b : net.buckets())
+        if (!b.in_place) copied_buckets_bytes += b.bytes;
+      if (g.allocations != static_cast<int>(stats.buckets - stats.in_place_buckets)) throw std::runtime_error("allocations");
+      m.fill_grads(r);
+      g.copies = 0;
+      g.copied_bytes = 0;
+      net.synchronize();
+      const auto bad = check_mean(m, p);
+      if (!bad.empty()) throw std::runtime_error(bad);
+      // In and out, every copied bucket (a world of one communicates nothing and copies nothing).
+      const std::size_t want = p == 1 ? 0 : 2 * copied_buckets_bytes;
+      if (g.copied_bytes != want)
+        throw std::runtime_error("copy_memory moved " + std::to_string(g.copied_bytes) + " bytes, expected " + std::to_string(want));
+    });
+    INFO("p=" << p);
+    CHECK(joined(errors) == "");
+  }
+}
+
+TEST_CASE("ddp: device parameters apart in memory need a group with copy_memory; compression hooks need host buckets", "[ddp]") {
+  {
+    fake_world world(1);
+    const auto errors = run_threads<fake_device_group_without_copy>(world, [&](int, fake_device_group_without_copy& g) {
+      separate_model<float> m(sizes);
+      auto refs = device_refs(m);
+      ddp::distributed_data_parallel net{refs, g};
+    });
+    INFO(errors[0]);
+    CHECK(errors[0].find("has no copy_memory") != std::string::npos);
+  }
+  {
+    fake_world world(2);
+    const auto errors = run_threads<fake_device_group>(world, [&](int r, fake_device_group& g) {
+      separate_model<float> m(sizes);
+      auto refs = device_refs(m);
+      ddp::distributed_data_parallel net{refs, g};
+      net.set_comm_hook(ddp::fp16_compress);
+      m.fill_grads(r);
+      net.synchronize();
+    });
+    for (const auto& e : errors) {
+      INFO(e);
+      CHECK(e.find("fp16_compress / bf16_compress round on the host, but bucket") != std::string::npos);
+    }
+  }
+}
+
 // --- buckets ------------------------------------------------------------------------------
 
 namespace {

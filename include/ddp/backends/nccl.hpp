@@ -10,8 +10,8 @@
 //   compute stream (nccl_options::compute_stream, by default the legacy default stream that
 //   Thrust and cuBLAS use unless told otherwise) through an event, so gradients produced by
 //   kernels still running are complete before NCCL reads them;
-// - a call returns when its stream work is complete; waiting polls the stream and
-//   ncclCommGetAsyncError, and a deadline that passes aborts the communicator (ncclCommAbort),
+// - a call returns when its stream work is complete (a CUDA event recorded after it; an async
+//   call's work handle completes then); waiting polls the event and ncclCommGetAsyncError, and a deadline that passes aborts the communicator (ncclCommAbort),
 //   so a dead peer is an error, not a hang;
 // - spans may also point to host memory (DDP's shape check, a loss to average): such operands
 //   are staged through a device buffer the backend keeps, so every process_group call works;
@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -144,6 +145,7 @@ class nccl_backend {
     detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", context);
     detail::cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", context);
     detail::cuda_check(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags", context);
+    detail::cuda_check(cudaEventCreateWithFlags(&completed_, cudaEventDisableTiming), "cudaEventCreateWithFlags", context);
     detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&fingerprint_), 2 * sizeof(std::uint64_t)), "cudaMalloc", context);
 
     const ncclUniqueId id = detail::share_unique_id(rendezvous, rank, options_.key_prefix + "unique_id", [] {
@@ -163,6 +165,7 @@ class nccl_backend {
   nccl_backend(nccl_backend&& other) noexcept
       : rank_(other.rank_), size_(other.size_), device_(other.device_), options_(std::move(other.options_)),
         stream_(std::exchange(other.stream_, nullptr)), inputs_ready_(std::exchange(other.inputs_ready_, nullptr)),
+        completed_(std::exchange(other.completed_, nullptr)),
         comm_(std::exchange(other.comm_, nullptr)), fingerprint_(std::exchange(other.fingerprint_, nullptr)),
         staging_(std::move(other.staging_)), seq_(other.seq_), aborted_(other.aborted_.load()) {}
   nccl_backend& operator=(nccl_backend&&) = delete;
@@ -184,6 +187,7 @@ class nccl_backend {
     staging_ = {};
     if (fingerprint_ != nullptr) cudaFree(fingerprint_);
     if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
+    if (completed_ != nullptr) cudaEventDestroy(completed_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -339,6 +343,8 @@ class nccl_backend {
   void run_unchecked(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
     const auto context = desc.context(rank_);
     if (aborted_.load() || comm_ == nullptr) throw error(errc::peer_lost, "the NCCL communicator was aborted by an earlier error", context);
+    // Nothing to move (every rank has count 0: the fingerprints agreed on it): NCCL is not called.
+    if (desc.op != collective::barrier && std::all_of(ops.begin(), ops.end(), [](const operand& o) { return o.bytes == 0; })) return;
     detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", context);  // the calling thread may be the group's
 
     std::array<void*, max_operands> device{};
@@ -365,11 +371,16 @@ class nccl_backend {
     }
     detail::nccl_check(enqueue(device.data()), to_string(desc.op).data(), comm_, context);
     wait_comm_ready(context, until);
-    for (std::size_t i = 0; i < max_operands; ++i) {
-      if (staged[i] && ops[i].write != nullptr)
-        detail::cuda_check(cudaMemcpyAsync(ops[i].write, device[i], ops[i].bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", context);
-    }
     wait_stream(context, until);
+    // Only now: a copy into pageable memory blocks the host until the stream's earlier work is
+    // done, which for an operation waiting on a dead peer is never (no deadline there).
+    bool copied_back = false;
+    for (std::size_t i = 0; i < max_operands; ++i) {
+      if (!staged[i] || ops[i].write == nullptr) continue;
+      detail::cuda_check(cudaMemcpyAsync(ops[i].write, device[i], ops[i].bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", context);
+      copied_back = true;
+    }
+    if (copied_back) wait_stream(context, until);
   }
 
   static std::size_t round_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -385,11 +396,14 @@ class nccl_backend {
     }
   }
 
+  // Completion is an event recorded after the work: polled, so that NCCL's asynchronous errors,
+  // abort() and the deadline are seen while waiting.
   void wait_stream(const error_context& context, deadline until) {
+    detail::cuda_check(cudaEventRecord(completed_, stream_), "cudaEventRecord", context);
     while (true) {
-      const cudaError_t done = cudaStreamQuery(stream_);
+      const cudaError_t done = cudaEventQuery(completed_);
       if (done == cudaSuccess) return;
-      if (done != cudaErrorNotReady) detail::cuda_check(done, "cudaStreamQuery", context);
+      if (done != cudaErrorNotReady) detail::cuda_check(done, "cudaEventQuery", context);
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (state != ncclSuccess && state != ncclInProgress) detail::nccl_check(state, "NCCL (asynchronous error)", comm_, context);
@@ -428,6 +442,7 @@ class nccl_backend {
   nccl_options options_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t inputs_ready_ = nullptr;  // recorded on the compute stream, waited for by stream_
+  cudaEvent_t completed_ = nullptr;     // recorded on stream_ after an operation, polled by the waiter
   ncclComm_t comm_ = nullptr;
   std::uint64_t* fingerprint_ = nullptr;
   device_buffer<std::uint8_t> staging_;  // host operands pass through here (grown on demand)
