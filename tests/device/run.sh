@@ -4,6 +4,10 @@
 #   tools/install-deps.sh          # once (Debian packages; CUDA and NCCL come with the toolkit)
 #   tests/device/run.sh            # configure with CUDA, build, run every GPU check, print a summary
 #
+# On a GPU machine without a package manager: run tests/device/pack-deps.sh where the packages
+# are installed and bring .device-deps/ along (used when present). NCCL is found in the CUDA
+# toolkit, at NCCL_ROOT, or in Python's nvidia-nccl wheel.
+#
 # 1. configure (CMAKE_CUDA_ARCHITECTURES=native unless CUDA_ARCH says otherwise) and build the
 #    device targets;
 # 2. ctest -L "gpu|nccl": NCCL collectives of every dtype and reduction against host references,
@@ -57,12 +61,26 @@ gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi -L || true
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+else
+  gpus=$(find /dev -maxdepth 1 -name 'nvidia[0-9]*' 2>/dev/null | wc -l)
 fi
 echo "GPUs visible: $gpus"
 if [ "$gpus" -eq 0 ]; then arch=${CUDA_ARCH:-75}; fi  # "native" needs a GPU to look at
 
-step "configure" cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-  -DDDP_BUILD_HOST_TESTS=OFF -DDDP_EXAMPLES=train_ddp
+cmake_args=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" -DDDP_BUILD_HOST_TESTS=OFF -DDDP_EXAMPLES=train_ddp)
+# A machine without a package manager: the header-only dependencies packed by pack-deps.sh.
+if [ -d .device-deps/usr ]; then cmake_args+=(-DCMAKE_PREFIX_PATH="$PWD/.device-deps/usr"); fi
+# NCCL outside the CUDA toolkit: NCCL_ROOT, else the nvidia-nccl wheel of a Python installation.
+if [ -z "${NCCL_ROOT:-}" ] && command -v python3 >/dev/null 2>&1; then
+  wheel=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+  if [ -n "$wheel" ] && [ -e "$wheel/include/nccl.h" ]; then export NCCL_ROOT=$wheel; fi
+fi
+if [ -n "${NCCL_ROOT:-}" ]; then
+  cmake_args+=(-DNCCL_ROOT="$NCCL_ROOT")
+  export LD_LIBRARY_PATH="$NCCL_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+step "configure" cmake -S . -B "$build" "${cmake_args[@]}"
 if ! grep -q 'NCCL ON' "$out/configure.log"; then
   summary+=("FAIL  CMake found no CUDA compiler or no NCCL (see $out/configure.log): install the CUDA toolkit and NCCL")
   failed=1
