@@ -14,18 +14,18 @@
 #include <thrust/transform.h>
 
 #include <catch2/catch.hpp>
+#include "device/nccl_ranks.hpp"
 #include "support/skip.hpp"
 
 #include <cmath>
 #include <functional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 namespace ddp_device_tests {
 
-using nccl_group = ddp::process_group<ddp::nccl_backend>;
+using ddp::test::nccl_group;
 using device_tensor = thrust::device_vector<float>;
 using model = std::vector<std::pair<device_tensor, device_tensor>>;  // (value, grad) per parameter
 
@@ -35,26 +35,7 @@ int devices_or_skip() {
   return n;
 }
 
-void run_ranks(int ranks, const std::function<void(nccl_group&)>& body) {
-  ddp::store::hash_store store;
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        nccl_group group(ddp::nccl_backend(store, r, ranks, {.local_rank = r}), {.timeout = std::chrono::seconds(60)});
-        body(group);
-      } catch (const std::exception& e) {
-        failures[static_cast<std::size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < ranks; ++r) {
-    INFO("rank " << r << ": " << failures[static_cast<std::size_t>(r)]);
-    CHECK(failures[static_cast<std::size_t>(r)].empty());
-  }
-}
+using ddp::test::check_nccl_ranks;
 
 // Sizes that make several buckets with the caps below, and no two parameters adjacent in memory.
 const std::vector<std::size_t> parameter_sizes = {1000, 37, 300000, 5};
@@ -87,7 +68,7 @@ void backward(model& m, int rank, const std::function<void(std::size_t)>& ready)
 
 TEST_CASE("ddp on thrust::device_vector: rank 0's values everywhere, gradients averaged in device buckets") {
   const int devices = devices_or_skip();
-  run_ranks(devices, [](nccl_group& g) {
+  check_nccl_ranks(devices, [](nccl_group& g) {
     const int p = g.size(), me = g.rank();
     model m = make_model(me);
     ddp::distributed_data_parallel net{m, g, {.bucket_cap_bytes = 600000, .first_bucket_bytes = 4096}};
@@ -121,7 +102,7 @@ TEST_CASE("ddp on thrust::device_vector: rank 0's values everywhere, gradients a
 
 TEST_CASE("ddp on thrust::device_vector: a hook sees each bucket in device memory and its result lands in every gradient") {
   devices_or_skip();
-  run_ranks(1, [](nccl_group& g) {
+  check_nccl_ranks(1, [](nccl_group& g) {
     model m = make_model(0);
     ddp::distributed_data_parallel net{m, g, {.bucket_cap_bytes = 600000, .first_bucket_bytes = 4096}};
     // The hook writes element j of bucket b as b * 1e6 + j (through device memory), so after

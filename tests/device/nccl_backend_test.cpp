@@ -6,6 +6,7 @@
 #include <ddp/store/hash_store.hpp>
 
 #include <catch2/catch.hpp>
+#include "device/nccl_ranks.hpp"
 #include "support/skip.hpp"
 
 #include <chrono>
@@ -15,13 +16,12 @@
 #include <functional>
 #include <limits>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 namespace nccl_backend_tests {
 
-using nccl_group = ddp::process_group<ddp::nccl_backend>;
+using ddp::test::nccl_group;
 
 int visible_devices() {
   int n = 0;
@@ -36,29 +36,7 @@ int devices_or_skip(int at_least = 1) {
   return n;
 }
 
-// One thread per device; each builds its rank's group and runs body(group). Failures are
-// collected per rank and reported on the test's thread.
-void run_ranks(int ranks, const std::function<void(nccl_group&)>& body, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
-  ddp::store::hash_store store;
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        nccl_group group(ddp::nccl_backend(store, r, ranks, {.local_rank = r}), {.timeout = timeout});
-        body(group);
-      } catch (const std::exception& e) {
-        failures[static_cast<std::size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < ranks; ++r) {
-    INFO("rank " << r);
-    CHECK(failures[static_cast<std::size_t>(r)].empty());
-    if (!failures[static_cast<std::size_t>(r)].empty()) WARN(failures[static_cast<std::size_t>(r)]);
-  }
-}
+using ddp::test::check_nccl_ranks;
 
 // Device copies of host vectors, freed at scope exit.
 template <class T>
@@ -142,7 +120,7 @@ void check_all_reduce(nccl_group& g, ddp::reduce_kind kind, std::size_t n) {
 
 TEST_CASE("nccl_backend: all_reduce of every dtype and reduction, sizes 0 to 2^20 + 3, against host references") {
   const int devices = devices_or_skip();
-  run_ranks(devices, [](nccl_group& g) {
+  check_nccl_ranks(devices, [](nccl_group& g) {
     for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1023}, (std::size_t{1} << 20) + 3}) {
       for (auto kind : {ddp::reduce_kind::sum, ddp::reduce_kind::avg, ddp::reduce_kind::min, ddp::reduce_kind::max, ddp::reduce_kind::prod}) {
         check_all_reduce<float>(g, kind, n);
@@ -159,7 +137,7 @@ TEST_CASE("nccl_backend: all_reduce of every dtype and reduction, sizes 0 to 2^2
 
 TEST_CASE("nccl_backend: broadcast, reduce, all_gather, reduce_scatter, all_to_all and barrier against host references") {
   const int devices = devices_or_skip();
-  run_ranks(devices, [](nccl_group& g) {
+  check_nccl_ranks(devices, [](nccl_group& g) {
     const int p = g.size(), me = g.rank();
     const std::size_t n = 1000 * static_cast<std::size_t>(p) + 3 * static_cast<std::size_t>(p);
     auto value = [](int rank, std::size_t i) { return static_cast<std::int64_t>(rank) * 1000003 + static_cast<std::int64_t>(i); };
@@ -225,7 +203,7 @@ TEST_CASE("nccl_backend: broadcast, reduce, all_gather, reduce_scatter, all_to_a
 
 TEST_CASE("nccl_backend: host-memory operands are staged through the device") {
   const int devices = devices_or_skip();
-  run_ranks(devices, [](nccl_group& g) {
+  check_nccl_ranks(devices, [](nccl_group& g) {
     const int p = g.size();
     std::vector<double> totals{1.5, static_cast<double>(g.rank())};
     g.all_reduce(std::span<double>(totals), ddp::sum{});
@@ -244,7 +222,7 @@ TEST_CASE("nccl_backend: host-memory operands are staged through the device") {
 
 TEST_CASE("nccl_backend: a collective waits for the work queued before it on the compute stream") {
   devices_or_skip();
-  run_ranks(1, [](nccl_group& g) {
+  check_nccl_ranks(1, [](nccl_group& g) {
     // A big copy on the legacy default stream writes `in`; the all_gather (world of one: a copy
     // on the backend's own stream) must read what it wrote, not what was there before.
     const std::size_t n = std::size_t{256} << 20;  // 1 GiB of float: long enough to be still running
@@ -267,7 +245,7 @@ TEST_CASE("nccl_backend: a collective waits for the work queued before it on the
 
 TEST_CASE("nccl_backend: ranks calling different collectives get errc::mismatch, not wrong data") {
   const int devices = devices_or_skip(2);
-  run_ranks(devices, [](nccl_group& g) {
+  check_nccl_ranks(devices, [](nccl_group& g) {
     device_array<float> data(static_cast<std::size_t>(10 + (g.rank() == 0 ? 0 : 1)));
     try {
       g.all_reduce(data.span(), ddp::sum{});
@@ -280,7 +258,7 @@ TEST_CASE("nccl_backend: ranks calling different collectives get errc::mismatch,
 
 TEST_CASE("nccl_backend: a peer that never arrives is errc::timeout within the deadline") {
   const int devices = devices_or_skip(2);
-  run_ranks(
+  check_nccl_ranks(
       devices,
       [](nccl_group& g) {
         if (g.rank() != 0) return;  // the others never call
