@@ -304,6 +304,42 @@ TEST_CASE("shm collectives: reduce delivers the reduction to the root and leaves
   }
 }
 
+TEST_CASE("shm collectives: small all_reduce / reduce with group buffers on some ranks and ordinary memory on others") {
+  // 4-8 KiB: each rank says whether its buffer is shared; all shared is zero copy, none the
+  // header slots, a mix a second round. The calls after a mix must still line up.
+  for (int p : {2, 3, 4}) {
+    run_group(p, "shmmix", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for (std::size_t n : {std::size_t{700}, std::size_t{1023}}) {  // float64: 5600 and 8184 bytes
+        for (int pattern = 0; pattern < 4; ++pattern) {
+          // 0: all ordinary, 1: all shared, 2: even ranks shared, 3: only the last rank shared.
+          const bool shared = pattern == 1 || (pattern == 2 && rank % 2 == 0) || (pattern == 3 && rank == p - 1);
+          test_buffer<double> group_memory(comm, n, true);  // collective: every rank allocates
+          std::vector<double> own(n);
+          const std::span<double> data = shared ? group_memory.span() : std::span<double>(own);
+          for (const int root : {-1, 0, p - 1}) {
+            // Different values in every call: stale slot contents must not pass for this call's.
+            const std::size_t shift = static_cast<std::size_t>(seq) * 7;
+            for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
+            const auto what = "n=" + std::to_string(n) + " pattern " + std::to_string(pattern) + " root " + std::to_string(root);
+            if (root < 0) {
+              comm.all_reduce(data, ddp::sum{}, make_desc(++seq, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(60s));
+              for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "all_reduce " + what, i);
+            } else {
+              comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype::float64, n, reduce_kind::sum, root),
+                          ddp::deadline::after(60s));
+              for (std::size_t i = 0; i < n; ++i) {
+                if (rank == root) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "reduce " + what, i);
+                else expect_equal(data[i], input<double>(rank, i + shift), "reduce (non-root) " + what, i);
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
 TEST_CASE("shm collectives: broadcast copies the root's buffer exactly") {
   for (int p : group_sizes) {
     run_group(p, "shmbc", [p](int rank, comm_t& comm) {

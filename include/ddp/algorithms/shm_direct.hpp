@@ -48,14 +48,18 @@ struct buffer_descriptor {
 static_assert(sizeof(buffer_descriptor) == 24);
 
 struct slot {
-  static constexpr std::size_t payload_offset = 40;  // call (8) + header (32)
+  static constexpr std::size_t payload_offset = 64;  // call (8) + header (32) + descriptor (24): one cache line
   std::atomic<std::uint64_t> call;
   unsigned char header[wire_header::size];
-  // payload follows, starting 8-byte aligned
+  // Where the rank's buffer is, for small calls that may take the zero-copy path: in the line
+  // the peers read for the header anyway.
+  unsigned char descriptor[sizeof(buffer_descriptor)];
+  // payload follows, on its own cache line
   std::byte* payload() noexcept { return reinterpret_cast<std::byte*>(this) + payload_offset; }
   const std::byte* payload() const noexcept { return reinterpret_cast<const std::byte*>(this) + payload_offset; }
 };
 static_assert(offsetof(slot, header) == 8);
+static_assert(offsetof(slot, descriptor) + sizeof(buffer_descriptor) == slot::payload_offset);
 
 struct alignas(cache_line) counter_line {
   std::atomic<std::uint64_t> value;
