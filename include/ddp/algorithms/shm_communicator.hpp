@@ -390,10 +390,17 @@ class shm_communicator {
     group_.notify();
   }
 
-  void publish(std::uint64_t c, const collective_desc& d, const void* payload, std::size_t bytes) noexcept {
+  // With `descriptor`, that too goes into the header line, in the same write as the header: a
+  // peer spinning on this line then pays one ownership transfer for both, not one each.
+  void publish(std::uint64_t c, const collective_desc& d, const void* payload, std::size_t bytes,
+               const shm_direct::buffer_descriptor* descriptor = nullptr) noexcept {
     slot* s = slot_of(rank_, c);
     const auto h = wire_header::encode(d);
-    std::memcpy(s->header, h.bytes, wire_header::size);
+    static_assert(offsetof(slot, descriptor) == offsetof(slot, header) + wire_header::size);
+    unsigned char line[wire_header::size + sizeof(shm_direct::buffer_descriptor)];
+    std::memcpy(line, h.bytes, wire_header::size);
+    if (descriptor != nullptr) std::memcpy(line + wire_header::size, descriptor, sizeof *descriptor);
+    std::memcpy(s->header, line, descriptor != nullptr ? sizeof line : wire_header::size);
     if (bytes != 0) std::memcpy(s->payload(), payload, bytes);
     s->call.store(c, std::memory_order_release);
     group_.notify();
@@ -554,11 +561,14 @@ class shm_communicator {
         // the data only when its buffer is not shared; once the headers are in, every rank sees
         // the same descriptors and makes the same choice: all shared, zero copy; none, the slots
         // of this call; a mix (rare), a second round in which every rank sends its data.
+        // Only once shared buffers exist: allocate() is collective, so every rank agrees on that,
+        // and a program that never allocates keeps the plain slot path (the offer costs ~0.1 us).
         std::uint64_t data_call = c;
-        if (bytes >= opts_.small_zero_copy_bytes) {
-          const auto mine = describe(data, bytes, false);
-          std::memcpy(slot_of(rank_, c)->descriptor, &mine, sizeof mine);
-          publish(c, d, data, mine.kind == 1 ? 0 : bytes);
+        if (bytes >= opts_.small_zero_copy_bytes && allocations_ > 0) {
+          // More ranks than CPUs: each handoff may cost a trip through the scheduler, and zero
+          // copy has two to the slots' one, so such a rank offers nothing (p = 3 on 2 CPUs: 1.3-1.6x).
+          const auto mine = group_.oversubscribed() ? shm_direct::buffer_descriptor{} : describe(data, bytes, false);
+          publish(c, d, data, mine.kind == 1 ? 0 : bytes, &mine);
           enter(c, d, dl);
           int shared = 0;
           for (int j = 0; j < size_; ++j) shared += descriptor_of(j, c, descriptor_in::header_line).kind == 1 ? 1 : 0;
