@@ -264,9 +264,12 @@ TEST_CASE("ddprun: a bad environment gives one line on every rank and a non-zero
       else if (is_rank_exit_line(line)) ++launcher_lines;
       else FAIL_CHECK("unexpected line: " << line);
     }
-    // The first failing rank stops the other, which may or may not have got to its check.
+    // The first failing rank stops the other, which may or may not have got to its check; the
+    // launcher names every rank it finds failed in the same pass (one or both), never one that
+    // printed nothing.
     CHECK(worker_lines >= 1);
-    CHECK(launcher_lines == 1);
+    CHECK(launcher_lines >= 1);
+    CHECK(launcher_lines <= worker_lines);
   }
 }
 
