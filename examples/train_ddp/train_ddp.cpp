@@ -208,13 +208,12 @@ int run_distributed(const options& o, Gemm gemm) {
   // goes through host mirrors, copied each step.
   const bool host_mirrors = cuda_build && group.memory() == ddp::memory_space::host;
   std::vector<float> host_values, host_grads;
-  flat_params params{{}, {}, &model.slots(), cuda_build ? ddp::memory_space::device : ddp::memory_space::host};
+  flat_params params{{}, {}, &model.slots(), cuda_build && !host_mirrors ? ddp::memory_space::device : ddp::memory_space::host};
   if (host_mirrors) {
     host_values = model.host_values();
     host_grads.assign(host_values.size(), 0.0f);
     params.values = host_values;
     params.grads = host_grads;
-    params.memory = ddp::memory_space::host;
   } else {
     params.values = {model.value_data(), model.numel()};
     params.grads = {model.grad_data(), model.numel()};

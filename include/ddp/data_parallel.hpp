@@ -719,7 +719,7 @@ class distributed_data_parallel {
   }
 
   void allocate_buffer(bucket& bk, bool use_group_allocate) {
-    const bool device = params_[bk.info.parameters.front()].memory != memory_space::host;
+    const bool device = on_device(bk);
     if (device && !detail::copies_memory<Group>) {
       throw error(errc::unavailable,
                   "bucket " + std::to_string(bk.index) +
@@ -849,13 +849,15 @@ class distributed_data_parallel {
   void copy_gradient_bytes(const bucket& b, std::byte* dst, const std::byte* src, std::size_t n) {
     if (n == 0) return;
     if constexpr (detail::copies_memory<Group>) {
-      if (params_[b.info.parameters.front()].memory != memory_space::host) {
+      if (on_device(b)) {
         group_->copy_memory(dst, src, n);
         return;
       }
     }
     std::memcpy(dst, src, n);
   }
+  // A bucket holds one memory space (assign_buckets groups by it): its first parameter's.
+  bool on_device(const bucket& b) const { return params_[b.info.parameters.front()].memory != memory_space::host; }
 
   void zero_gradient(std::size_t k) {
     auto& p = params_[k];

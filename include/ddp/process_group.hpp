@@ -636,7 +636,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
                     "a device-memory backend provides allocate<T>(n) and copy_memory(dst, src, bytes)");
       using buffer = decltype(s.backend.template allocate<V>(in.size()));
       auto owned = std::make_shared<buffer>(s.backend.template allocate<V>(in.size()));
-      s.backend.copy_memory(owned->data(), in.data(), in.size_bytes());
+      copy_within(s, owned->data(), in.data(), in.size_bytes());
       return {owned, std::span<const T>(owned->data(), in.size())};
     } else {
       (void)s;

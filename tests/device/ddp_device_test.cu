@@ -29,13 +29,8 @@ using ddp::test::nccl_group;
 using device_tensor = thrust::device_vector<float>;
 using model = std::vector<std::pair<device_tensor, device_tensor>>;  // (value, grad) per parameter
 
-int devices_or_skip() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) ddp::test::skip("no CUDA device visible on this machine");
-  return n;
-}
-
 using ddp::test::check_nccl_ranks;
+using ddp::test::devices_or_skip;
 
 // Sizes that make several buckets with the caps below, and no two parameters adjacent in memory.
 const std::vector<std::size_t> parameter_sizes = {1000, 37, 300000, 5};

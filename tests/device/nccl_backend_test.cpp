@@ -23,20 +23,8 @@ namespace nccl_backend_tests {
 
 using ddp::test::nccl_group;
 
-int visible_devices() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
-
-int devices_or_skip(int at_least = 1) {
-  const int n = visible_devices();
-  if (n == 0) ddp::test::skip("no CUDA device visible on this machine");
-  if (n < at_least) ddp::test::skip("needs " + std::to_string(at_least) + " CUDA devices, " + std::to_string(n) + " visible");
-  return n;
-}
-
 using ddp::test::check_nccl_ranks;
+using ddp::test::devices_or_skip;
 
 // Device copies of host vectors, freed at scope exit.
 template <class T>

@@ -5,6 +5,7 @@
 #include <ddp/store/hash_store.hpp>
 
 #include <catch2/catch.hpp>
+#include "device/nccl_ranks.hpp"
 #include "support/skip.hpp"
 
 #include <algorithm>
@@ -19,12 +20,6 @@
 namespace nccl_host_logic {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-int visible_devices() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
 
 TEST_CASE("nccl mapping: every ddp dtype has the NCCL type of the same width and kind") {
   using ddp::dtype;
@@ -138,7 +133,7 @@ TEST_CASE("nccl staging: host memory is not device-addressable, an empty range n
 }
 
 TEST_CASE("nccl without a device: the backend and init_process_group(\"nccl\") fail at once with errc::cuda") {
-  if (visible_devices() > 0) ddp::test::skip("a CUDA device is visible here; this case checks a machine without one");
+  if (ddp::test::visible_devices() > 0) ddp::test::skip("a CUDA device is visible here; this case checks a machine without one");
   ddp::store::hash_store store;
   const auto start = std::chrono::steady_clock::now();
   try {

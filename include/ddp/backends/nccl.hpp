@@ -11,8 +11,9 @@
 //   Thrust and cuBLAS use unless told otherwise) through an event, so gradients produced by
 //   kernels still running are complete before NCCL reads them;
 // - a call returns when its stream work is complete (a CUDA event recorded after it; an async
-//   call's work handle completes then); waiting polls the event and ncclCommGetAsyncError, and a deadline that passes aborts the communicator (ncclCommAbort),
-//   so a dead peer is an error, not a hang;
+//   call's work handle completes then); waiting polls the event and ncclCommGetAsyncError, and
+//   a deadline that passes aborts the communicator (ncclCommAbort), so a dead peer is an
+//   error, not a hang;
 // - spans may also point to host memory (DDP's shape check, a loss to average): such operands
 //   are staged through a device buffer the backend keeps, so every process_group call works;
 // - every CUDA and NCCL return code is checked and reported with its error string and
