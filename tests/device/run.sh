@@ -72,8 +72,18 @@ cmake_args=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" -DDDP_
 if [ -d .device-deps/usr ]; then cmake_args+=(-DCMAKE_PREFIX_PATH="$PWD/.device-deps/usr"); fi
 # NCCL outside the CUDA toolkit: NCCL_ROOT, else the nvidia-nccl wheel of a Python installation.
 if [ -z "${NCCL_ROOT:-}" ] && command -v python3 >/dev/null 2>&1; then
-  wheel=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
-  if [ -n "$wheel" ] && [ -e "$wheel/include/nccl.h" ]; then export NCCL_ROOT=$wheel; fi
+  # nvidia-nccl-cu12 installs under nvidia/nccl, the CUDA 13 wheels under nvidia/cu13.
+  wheel=$(python3 - <<'PY' 2>/dev/null || true
+import os, site, sys
+for base in site.getsitepackages() + [site.getusersitepackages()]:
+    for sub in ("nvidia/nccl", "nvidia/cu13", "nvidia/cu12"):
+        root = os.path.join(base, sub)
+        if os.path.exists(os.path.join(root, "include", "nccl.h")):
+            print(root)
+            sys.exit()
+PY
+)
+  if [ -n "$wheel" ]; then export NCCL_ROOT=$wheel; fi
 fi
 if [ -n "${NCCL_ROOT:-}" ]; then
   cmake_args+=(-DNCCL_ROOT="$NCCL_ROOT")
