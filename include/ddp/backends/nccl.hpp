@@ -157,7 +157,7 @@ class nccl_backend {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     detail::nccl_check(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig", comm_, context);
-    wait_comm_ready(context, until);
+    wait_comm_ready({.known = &context}, until);
   }
 
   nccl_backend(const nccl_backend&) = delete;
@@ -317,11 +317,25 @@ class nccl_backend {
   }
   static deadline default_deadline() { return deadline::after(default_timeout()); }
 
+  // Where a call failed; formatted only then (a successful call builds no strings).
+  struct call_site {
+    const collective_desc* desc = nullptr;  // a collective's, formatted on failure
+    const error_context* known = nullptr;   // or one made already (set-up)
+    int rank = -1;
+    error_context context() const { return desc != nullptr ? desc->context(rank) : *known; }
+  };
+  static void check(cudaError_t code, const char* call, const call_site& site) {
+    if (code != cudaSuccess) detail::cuda_check(code, call, site.context());
+  }
+  void check(ncclResult_t code, const char* call, const call_site& site) const {
+    if (code != ncclSuccess && code != ncclInProgress) detail::nccl_check(code, call, comm_, site.context());
+  }
+
   // Agrees on the fingerprint (MAX over {h, ~h} is {h, ~h} everywhere only if all are equal),
   // then runs the operation.
   template <class Enqueue>
   void run(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
-    const auto context = desc.context(rank_);
+    const call_site site{.desc = &desc, .rank = rank_};
     if (options_.check_collectives && size_ > 1) {
       const auto header = wire_header::encode(normalized(desc));
       std::uint64_t h = 1469598103934665603ull;
@@ -332,7 +346,7 @@ class nccl_backend {
       });
       if (agreed[0] != h || agreed[1] != ~h) {
         throw error(errc::mismatch, "ranks called different collectives at this sequence number (NCCL reports no details: run with "
-                                    "the ring backend to see both calls)", context);
+                                    "the ring backend to see both calls)", site.context());
       }
     }
     run_unchecked(desc, until, ops, std::forward<Enqueue>(enqueue));
@@ -342,11 +356,12 @@ class nccl_backend {
   // stream (with the deadline), and copies staged results back.
   template <class Enqueue>
   void run_unchecked(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
-    const auto context = desc.context(rank_);
-    if (aborted_.load() || comm_ == nullptr) throw error(errc::peer_lost, "the NCCL communicator was aborted by an earlier error", context);
+    const call_site site{.desc = &desc, .rank = rank_};
+    if (aborted_.load() || comm_ == nullptr) throw error(errc::peer_lost, "the NCCL communicator was aborted by an earlier error", site.context());
     // Nothing to move (every rank has count 0: the fingerprints agreed on it): NCCL is not called.
     if (desc.op != collective::barrier && std::all_of(ops.begin(), ops.end(), [](const operand& o) { return o.bytes == 0; })) return;
-    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice", context);  // the calling thread may be the group's
+    int current = -1;  // the calling thread may be the group's, on another device
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_) check(cudaSetDevice(device_), "cudaSetDevice", site);
 
     std::array<void*, max_operands> device{};
     std::array<bool, max_operands> staged{};
@@ -364,64 +379,64 @@ class nccl_backend {
       device[i] = staging_.data() + offset;
       offset += round_up(ops[i].bytes);
       if (ops[i].read != nullptr)
-        detail::cuda_check(cudaMemcpyAsync(device[i], ops[i].read, ops[i].bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync", context);
+        check(cudaMemcpyAsync(device[i], ops[i].read, ops[i].bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync", site);
     }
     if (options_.compute_stream != stream_) {
-      detail::cuda_check(cudaEventRecord(inputs_ready_, options_.compute_stream), "cudaEventRecord", context);
-      detail::cuda_check(cudaStreamWaitEvent(stream_, inputs_ready_, 0), "cudaStreamWaitEvent", context);
+      check(cudaEventRecord(inputs_ready_, options_.compute_stream), "cudaEventRecord", site);
+      check(cudaStreamWaitEvent(stream_, inputs_ready_, 0), "cudaStreamWaitEvent", site);
     }
-    detail::nccl_check(enqueue(device.data()), to_string(desc.op).data(), comm_, context);
-    wait_comm_ready(context, until);
-    wait_stream(context, until);
+    check(enqueue(device.data()), to_string(desc.op).data(), site);
+    wait_comm_ready(site, until);
+    wait_stream(site, until);
     // Only now: a copy into pageable memory blocks the host until the stream's earlier work is
     // done, which for an operation waiting on a dead peer is never (no deadline there).
     bool copied_back = false;
     for (std::size_t i = 0; i < max_operands; ++i) {
       if (!staged[i] || ops[i].write == nullptr) continue;
-      detail::cuda_check(cudaMemcpyAsync(ops[i].write, device[i], ops[i].bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", context);
+      check(cudaMemcpyAsync(ops[i].write, device[i], ops[i].bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", site);
       copied_back = true;
     }
-    if (copied_back) wait_stream(context, until);
+    if (copied_back) wait_stream(site, until);
   }
 
   static std::size_t round_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
   // Non-blocking communicators return ncclInProgress while an enqueue completes.
-  void wait_comm_ready(const error_context& context, deadline until) {
+  void wait_comm_ready(const call_site& site, deadline until) {
     ncclResult_t state = ncclInProgress;
     while (true) {
-      detail::nccl_check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError", comm_, context);
+      check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError", site);
       if (state == ncclSuccess) return;
-      if (state != ncclInProgress) detail::nccl_check(state, "NCCL (asynchronous error)", comm_, context);
-      check_abort_or_deadline(context, until);
+      if (state != ncclInProgress) check(state, "NCCL (asynchronous error)", site);
+      check_abort_or_deadline(site, until);
     }
   }
 
   // Completion is an event recorded after the work: polled, so that NCCL's asynchronous errors,
   // abort() and the deadline are seen while waiting.
-  void wait_stream(const error_context& context, deadline until) {
-    detail::cuda_check(cudaEventRecord(completed_, stream_), "cudaEventRecord", context);
+  void wait_stream(const call_site& site, deadline until) {
+    check(cudaEventRecord(completed_, stream_), "cudaEventRecord", site);
     while (true) {
       const cudaError_t done = cudaEventQuery(completed_);
       if (done == cudaSuccess) return;
-      if (done != cudaErrorNotReady) detail::cuda_check(done, "cudaEventQuery", context);
+      if (done != cudaErrorNotReady) check(done, "cudaEventQuery", site);
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
-      if (state != ncclSuccess && state != ncclInProgress) detail::nccl_check(state, "NCCL (asynchronous error)", comm_, context);
-      check_abort_or_deadline(context, until);
+      check(state, "NCCL (asynchronous error)", site);
+      check_abort_or_deadline(site, until);
     }
   }
 
-  void check_abort_or_deadline(const error_context& context, deadline until) {
+  void check_abort_or_deadline(const call_site& site, deadline until) {
     if (aborted_.load(std::memory_order_relaxed)) {
       abort_communicator();
-      throw error(errc::peer_lost, "the NCCL communicator was aborted while waiting", context);
+      throw error(errc::peer_lost, "the NCCL communicator was aborted while waiting", site.context());
     }
     if (until.expired()) {
       aborted_.store(true);
       abort_communicator();
       throw error(errc::timeout, "not completed before the deadline: a peer is missing, dead or stuck; the communicator was aborted",
-                  context);
+                  site.context());
     }
   }
 
