@@ -3,7 +3,7 @@ find_package(CUDAToolkit QUIET)
 find_path(NCCL_INCLUDE_DIR nccl.h
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_INCLUDE_DIRS}
   PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2  # the nvidia-nccl wheel ships only libnccl.so.2
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR  # the wheel ships only libnccl.so.2; NCCL_ROOT first
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_DIR}
   PATH_SUFFIXES lib lib64)
 if(NCCL_INCLUDE_DIR AND EXISTS ${NCCL_INCLUDE_DIR}/nccl.h)
