@@ -3,7 +3,7 @@
 // 4 B .. 64 MiB doubling, in the nccl-tests columns (busbw = algbw * 2(p-1)/p). The ratio
 // ddp busbw / nccl busbw is what the wrapper costs (goal: >= 0.95 from 64 KiB up).
 //
-//   ddp_bench_nccl [--np N] [--rounds R] [--timeout S] [--no-collective-check] [--check]
+//   ddp_bench_nccl [--np N] [--rounds R] [--timeout S] [--no-collective-check] [--check] [--out-of-place]
 //                  [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--csv] [--system NAME]
 //
 // Ranks: forks --np processes (default 1), rank r on device r; rendezvous through a file_store in
@@ -20,6 +20,10 @@
 // alternating which goes first, so machine noise lands on both alike. A round's time is the
 // slowest rank's mean per call; the table shows the median over rounds. With one rank busbw is 0,
 // so the ratio is nccl time / ddp time (the same number busbw gives for p > 1).
+//
+// In place by default (DDP's use). --out-of-place reads one buffer and writes another on both
+// sides (nccl-tests' first columns): with one rank NCCL's in-place all-reduce moves nothing and
+// returns at once, so only the out-of-place sweep (a device copy) shows data moving there.
 //
 // --check verifies one all-reduce of each side per size against p (p + 1) / 2 (rank r
 // contributes r + 1), read back to the host. Progress goes to stderr, the table (or --csv rows,
@@ -67,6 +71,7 @@ struct options {
   int timeout_s = 600;
   bool collective_check = true;  // nccl_options::check_collectives of the ddp side
   bool check = false;
+  bool out_of_place = false;
 };
 
 using ddp::detail::cuda_check;
@@ -94,8 +99,9 @@ class raw_nccl {
   raw_nccl(const raw_nccl&) = delete;
   raw_nccl& operator=(const raw_nccl&) = delete;
 
-  void all_reduce(void* data, std::size_t count, ncclDataType_t type, ncclRedOp_t op) {
-    nccl_check(ncclAllReduce(data, data, count, type, op, comm_, stream_), "ncclAllReduce", comm_);
+  void all_reduce(void* data, std::size_t count, ncclDataType_t type, ncclRedOp_t op) { all_reduce(data, data, count, type, op); }
+  void all_reduce(const void* in, void* out, std::size_t count, ncclDataType_t type, ncclRedOp_t op) {
+    nccl_check(ncclAllReduce(in, out, count, type, op, comm_, stream_), "ncclAllReduce", comm_);
   }
   void synchronize() { cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
@@ -121,6 +127,8 @@ struct rank_state {
   raw_nccl& raw;
   device_array<float>& raw_buffer;
   device_array<float>& ddp_buffer;
+  float* raw_output;  // raw_buffer's data in place, another buffer out of place
+  float* ddp_output;
   device_array<double>& scratch;  // the barrier's element, then the per-size results to reduce
 };
 
@@ -141,11 +149,12 @@ double time_calls(rank_state& s, int iters, Call&& call) {
 
 // One all-reduce of rank + 1 everywhere must give p (p + 1) / 2; returns 1 on a mismatch.
 template <class Call>
-int check_side(rank_state& s, const char* side, float* device, std::size_t count, Call&& call, std::vector<float>& host) {
+int check_side(rank_state& s, const char* side, float* input, float* output, std::size_t count, Call&& call, std::vector<float>& host) {
   std::fill_n(host.begin(), count, static_cast<float>(s.rank + 1));
-  upload(device, host, count);
+  upload(input, host, count);
+  if (output != input) cuda_check(cudaMemset(output, 0, count * sizeof(float)), "cudaMemset");  // a sum left behind would pass
   call();
-  cuda_check(cudaMemcpy(host.data(), device, count * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  cuda_check(cudaMemcpy(host.data(), output, count * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
   const float want = static_cast<float>(s.size * (s.size + 1) / 2);
   int failures = 0;
   for (std::size_t i = 0; i < count; ++i) {
@@ -157,7 +166,7 @@ int check_side(rank_state& s, const char* side, float* device, std::size_t count
     }
   }
   std::fill_n(host.begin(), count, 0.0f);  // zeros again: timing runs stay finite
-  upload(device, host, count);
+  upload(input, host, count);
   return failures;
 }
 
@@ -166,8 +175,8 @@ void print_table_header(const options& o, int p) {
     ddp::bench::print_header(o.sweep, p, "");
     return;
   }
-  std::printf("# float32 sum all-reduce, %d ranks: ncclAllReduce called directly (nccl) vs ddp::process_group<nccl_backend> (ddp%s)\n", p,
-              o.collective_check ? ", collective check on" : ", collective check off");
+  std::printf("# float32 sum all-reduce %s, %d ranks: ncclAllReduce called directly (nccl) vs ddp::process_group<nccl_backend> (ddp%s)\n",
+              o.out_of_place ? "out of place" : "in place", p, o.collective_check ? ", collective check on" : ", collective check off");
   std::printf("# every call synchronized; time: median over %d rounds of the slowest rank's mean per call\n", o.rounds);
   if (p == 1) std::printf("# 1 rank: busbw is 0, so ratio = nccl time / ddp time\n");
   else std::printf("# ratio = ddp busbw / nccl busbw\n");
@@ -205,10 +214,14 @@ int sweep(rank_state& s) {
   for (std::size_t bytes : ddp::bench::sizes(o.sweep)) {
     const std::size_t count = bytes / 4;
     auto raw_call = [&] {
-      s.raw.all_reduce(s.raw_buffer.data(), count, ncclFloat32, ncclSum);
+      s.raw.all_reduce(s.raw_buffer.data(), s.raw_output, count, ncclFloat32, ncclSum);
       s.raw.synchronize();
     };
-    auto ddp_call = [&] { s.group.all_reduce(std::span<float>(s.ddp_buffer.data(), count), ddp::sum{}); };
+    auto ddp_call = [&] {
+      const std::span<float> out(s.ddp_output, count);
+      if (s.o.out_of_place) s.group.all_reduce(std::span<const float>(s.ddp_buffer.data(), count), out, ddp::sum{});
+      else s.group.all_reduce(out, ddp::sum{});
+    };
     const int iters = ddp::bench::iterations_for(bytes, o.sweep.iters);
     if (s.rank == 0) std::fprintf(stderr, "ddp_bench_nccl: %zu bytes, %d rounds of %d calls per side\n", bytes, o.rounds, iters);
 
@@ -225,8 +238,8 @@ int sweep(rank_state& s) {
       if (!raw_first) raw_time = time_calls(s, iters, raw_call);
     }
     if (o.check) {
-      results.back() = check_side(s, "nccl", s.raw_buffer.data(), count, raw_call, host) +
-                       check_side(s, "ddp", s.ddp_buffer.data(), count, ddp_call, host);
+      results.back() = check_side(s, "nccl", s.raw_buffer.data(), s.raw_output, count, raw_call, host) +
+                       check_side(s, "ddp", s.ddp_buffer.data(), s.ddp_output, count, ddp_call, host);
     }
     cuda_check(cudaMemcpy(s.scratch.data(), results.data(), results.size() * sizeof(double), cudaMemcpyHostToDevice), "cudaMemcpy");
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -252,7 +265,7 @@ int sweep(rank_state& s) {
     if (worst_bytes == 0) {
       std::fprintf(summary, "wrapper cost: ratio >= %.2f at every size >= 64 KiB: n/a (no size >= 64 KiB in the sweep)\n", wrapper_goal_ratio);
     } else {
-      std::fprintf(summary, "wrapper cost: ratio >= %.2f at every size >= 64 KiB: %s (worst %.2f at %zu bytes)\n", wrapper_goal_ratio,
+      std::fprintf(summary, "wrapper cost: ratio >= %.2f at every size >= 64 KiB: %s (worst %.3f at %zu bytes)\n", wrapper_goal_ratio,
                    worst_ratio >= wrapper_goal_ratio ? "yes" : "no", worst_ratio, worst_bytes);
     }
     if (o.check) std::fprintf(summary, "check: %s\n", failed_sizes == 0 ? "every size correct on both sides" : (std::to_string(failed_sizes) + " size(s) failed").c_str());
@@ -291,21 +304,25 @@ int run_rank(int rank, const options& o, const std::string& store_path) {
   const std::size_t max_count = std::max<std::size_t>(o.sweep.max_bytes / 4, 1);
   device_array<float> raw_buffer(max_count);
   device_array<float> ddp_buffer(max_count);
+  device_array<float> raw_output(o.out_of_place ? max_count : 0);
+  device_array<float> ddp_output(o.out_of_place ? max_count : 0);
   device_array<double> scratch(2 * static_cast<std::size_t>(o.rounds) + 1);
   cuda_check(cudaMemset(scratch.data(), 0, sizeof(double)), "cudaMemset");  // the barrier reduces element 0
-  rank_state state{o, rank, o.np, group, raw, raw_buffer, ddp_buffer, scratch};
+  rank_state state{o,          rank,          o.np, group, raw, raw_buffer, ddp_buffer,
+                   o.out_of_place ? raw_output.data() : raw_buffer.data(), o.out_of_place ? ddp_output.data() : ddp_buffer.data(), scratch};
   return sweep(state);
 }
 
 void print_usage(std::FILE* to) {
   std::fprintf(to,
-               "usage: ddp_bench_nccl [--np N] [--rounds R] [--timeout S] [--no-collective-check] [--check]\n"
+               "usage: ddp_bench_nccl [--np N] [--rounds R] [--timeout S] [--no-collective-check] [--check] [--out-of-place]\n"
                "                      [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--csv] [--system NAME]\n"
                "  --np N                 ranks, one per GPU (default 1)\n"
                "  --rounds R             rounds per size, both sides timed in each, alternating order (default 5)\n"
                "  --timeout S            kill the ranks after S seconds (default 600)\n"
                "  --no-collective-check  ddp side without its per-call fingerprint all-reduce\n"
                "  --check                verify one all-reduce per size and side against p(p+1)/2\n"
+               "  --out-of-place         read one buffer, write another (default: in place, as DDP does)\n"
                "  --min-bytes B          smallest size (default 4); sizes double up to --max-bytes\n"
                "  --max-bytes B          largest size (default 67108864)\n"
                "  --iters N              calls per timed block, scaled by size: x10 below 1 MiB, fewer from 1 MiB (default 20)\n"
@@ -348,6 +365,7 @@ options parse(int argc, char** argv) {
     else if (flag == "--timeout") o.timeout_s = parse_positive(flag, value());
     else if (flag == "--no-collective-check") o.collective_check = false;
     else if (flag == "--check") o.check = true;
+    else if (flag == "--out-of-place") o.out_of_place = true;
     else usage("unknown flag " + flag);
   }
   if (o.np > 64) usage("--np must be 1..64");

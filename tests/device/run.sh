@@ -16,7 +16,9 @@
 # 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
 #    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2);
 # 4. ddp_bench_nccl: the all-reduce busbw sweep through ddp next to ncclAllReduce called directly
-#    (the ratio is the wrapper's cost; goal >= 0.95 from 64 KiB).
+#    (the ratio is the wrapper's cost; goal >= 0.95 from 64 KiB), in place (as DDP calls it) and
+#    out of place (with one GPU NCCL's in-place all-reduce moves nothing, so only the
+#    out-of-place sweep moves data there); ddp_bench_nccl_calls: the cost of each call on the path.
 #
 # Results (logs, the benchmark's table and CSV, train reports) go to $DDP_DEVICE_OUT (default
 # build/device/results). Exit status: 0 when every step passed, 1 when one failed, 77 (skipped)
@@ -99,7 +101,7 @@ fi
 build_targets() {  # one make per target, side by side (a make given several targets runs them in turn)
   cmake --build "$build" --target ddp_catch_main || return 1
   local pids=() target status=0
-  for target in nccl_host_logic_test nccl_backend_test ddp_device_test ddp_bench_nccl train_ddp train_ddp_cuda; do
+  for target in nccl_host_logic_test nccl_backend_test ddp_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
     cmake --build "$build" -j "$jobs" --target "$target" &
     pids+=($!)
   done
@@ -138,7 +140,9 @@ if [ "$gpus" -ge 1 ]; then
   if [ "$gpus" -ge 2 ]; then
     step "train_ddp_cuda vs cpu, 2 ranks" train_check w2 --nproc-per-node 2
   fi
-  step "nccl all-reduce sweep" "$build/bench/nccl/ddp_bench_nccl" --np "$gpus" --check
+  step "nccl all-reduce sweep, in place" "$build/bench/nccl/ddp_bench_nccl" --np "$gpus" --check
+  step "nccl all-reduce sweep, out of place" "$build/bench/nccl/ddp_bench_nccl" --np "$gpus" --check --out-of-place
+  step "nccl call costs" "$build/bench/nccl/ddp_bench_nccl_calls"
 else
   summary+=("SKIP  train_ddp_cuda vs cpu: no GPU")
   summary+=("SKIP  nccl all-reduce sweep: no GPU")
