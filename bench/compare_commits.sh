@@ -4,7 +4,7 @@
 # prints per size the median times and new/old (< 1: the new code is faster), with a geometric
 # mean per configuration. Side by side in one invocation, so machine noise hits both alike.
 #   bench/compare_commits.sh OLD [NEW]      (NEW defaults to the working tree)
-#   REPS=15 CONFIGS="2:shm:group 2:shm:user 2:tcp:user" MAX_BYTES=16777216 bench/compare_commits.sh HEAD~3
+#   REPS=15 CONFIGS="2:shm:group 2:shm:user 2:tcp:user" MIN_BYTES=64 MAX_BYTES=16777216 bench/compare_commits.sh HEAD~3
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 old=${1:?usage: bench/compare_commits.sh OLD [NEW]}
@@ -12,6 +12,7 @@ new=${2:-}
 reps=${REPS:-5}
 configs=${CONFIGS:-"2:shm:group 2:shm:user 2:tcp:user 4:shm:user 4:tcp:user"}
 max_bytes=${MAX_BYTES:-16777216}
+min_bytes=${MIN_BYTES:-64}
 work=$root/build/compare
 mkdir -p "$work"
 
@@ -39,7 +40,7 @@ for rep in $(seq 1 "$reps"); do
     IFS=: read -r np transport buffer <<< "$cfg"
     for side in old new; do
       timeout 300 "$work/build-$side/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport "$transport" --buffer "$buffer" \
-          --min-bytes 64 --max-bytes "$max_bytes" --csv 2>/dev/null | tail -n +2 | sed "s/^/$side,/" >> "$raw"
+          --min-bytes "$min_bytes" --max-bytes "$max_bytes" --csv 2>/dev/null | tail -n +2 | sed "s/^/$side,/" >> "$raw"
     done
   done
   echo "compare: repetition $rep of $reps done" >&2

@@ -141,7 +141,7 @@ class shm_communicator {
       if (bytes <= opts_.small_bytes) {
         publish(c, d, data.data(), rank_ == root ? bytes : 0);
         enter(c, d, dl);
-        if (rank_ != root && bytes != 0) std::memcpy(data.data(), peer_payload<E>(root, c), bytes);
+        if (rank_ != root && bytes != 0) std::memcpy(data.data(), peer_payload<E>(root, c, bytes), bytes);
         return;
       }
       enter_with_buffer(c, d, dl, data.data(), bytes, false);
@@ -171,7 +171,7 @@ class shm_communicator {
         publish(c, d, in.data(), bytes);
         enter(c, d, dl);
         for (int j = 0; j < size_; ++j)
-          if (j != rank_ && bytes) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c), bytes);
+          if (j != rank_ && bytes) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c, bytes), bytes);
         if (bytes) std::memmove(own, in.data(), bytes);
         return;
       }
@@ -224,7 +224,7 @@ class shm_communicator {
         if (block == 0) return;
         std::memmove(out.data() + offset, in.data() + offset, block);
         for (int j = 0; j < size_; ++j)
-          if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c) + offset, block);
+          if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c, in.size_bytes()) + offset, block);
         return;
       }
       enter_with_buffer(c, d, dl, in.data(), in.size_bytes(), overlaps(in, out));
@@ -381,27 +381,36 @@ class shm_communicator {
   std::byte* base(int r) const noexcept { return group_.payload(r); }
   slot* slot_of(int r, std::uint64_t c) const noexcept { return layout_.slot_at(base(r), c); }
   std::atomic<std::uint64_t>& counter(int r, counter_index i) const noexcept { return layout_.counter_at(base(r), i)->value; }
+  // Where rank r's payload of `bytes` for call c is (see slot::payload: in the header line up to 24).
   template <class E>
-  const E* peer_payload(int r, std::uint64_t c) const noexcept {
-    return reinterpret_cast<const E*>(slot_of(r, c)->payload());
+  const E* peer_payload(int r, std::uint64_t c, std::size_t bytes) const noexcept {
+    return reinterpret_cast<const E*>(slot_of(r, c)->payload(bytes));
   }
   void set(counter_index i, std::uint64_t v) noexcept {
     counter(rank_, i).store(v, std::memory_order_release);
     group_.notify();
   }
 
-  // With `descriptor`, that too goes into the header line, in the same write as the header: a
-  // peer spinning on this line then pays one ownership transfer for both, not one each.
+  // The descriptor, or else a payload of at most 24 bytes, goes into the header line in the same
+  // write as the header: a peer spinning on this line then pays one ownership transfer for
+  // both, not one each. A larger payload goes to the lines after it.
   void publish(std::uint64_t c, const collective_desc& d, const void* payload, std::size_t bytes,
                const shm_direct::buffer_descriptor* descriptor = nullptr) noexcept {
     slot* s = slot_of(rank_, c);
     const auto h = wire_header::encode(d);
     static_assert(offsetof(slot, descriptor) == offsetof(slot, header) + wire_header::size);
-    unsigned char line[wire_header::size + sizeof(shm_direct::buffer_descriptor)];
+    unsigned char line[wire_header::size + slot::inline_bytes];
     std::memcpy(line, h.bytes, wire_header::size);
-    if (descriptor != nullptr) std::memcpy(line + wire_header::size, descriptor, sizeof *descriptor);
-    std::memcpy(s->header, line, descriptor != nullptr ? sizeof line : wire_header::size);
-    if (bytes != 0) std::memcpy(s->payload(), payload, bytes);
+    std::size_t line_bytes = wire_header::size;
+    if (descriptor != nullptr) {
+      std::memcpy(line + wire_header::size, descriptor, sizeof *descriptor);
+      line_bytes = sizeof line;
+    } else if (bytes != 0 && bytes <= slot::inline_bytes) {
+      std::memcpy(line + wire_header::size, payload, bytes);
+      line_bytes += bytes;
+    }
+    std::memcpy(s->header, line, line_bytes);
+    if (bytes > slot::inline_bytes) std::memcpy(s->payload(bytes), payload, bytes);
     s->call.store(c, std::memory_order_release);
     group_.notify();
   }
@@ -498,24 +507,20 @@ class shm_communicator {
   // the same call (headers checked): the start of every call that is not small.
   void enter_with_buffer(std::uint64_t c, const collective_desc& d, deadline dl, const void* p, std::size_t bytes, bool unsafe_overlap) {
     const auto mine = describe(p, bytes, unsafe_overlap);
-    publish(c, d, &mine, sizeof mine);
+    publish(c, d, nullptr, 0, &mine);
     enter(c, d, dl);
   }
 
-  // Rank r's buffer descriptor of call c: the payload of a call that is not small, the slot's
-  // descriptor field (beside the header) of a small one.
-  enum class descriptor_in { payload, header_line };
-  shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c, descriptor_in where = descriptor_in::payload) const noexcept {
+  // Rank r's buffer descriptor of call c (in the header line).
+  shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
     shm_direct::buffer_descriptor b;
-    const slot* s = slot_of(r, c);
-    std::memcpy(&b, where == descriptor_in::payload ? static_cast<const void*>(s->payload()) : s->descriptor, sizeof b);
+    std::memcpy(&b, slot_of(r, c)->descriptor, sizeof b);
     return b;
   }
 
   // Where rank r's buffer is mapped here, when it is a shared buffer; nullptr otherwise.
-  std::byte* resolve(int r, std::uint64_t c, std::size_t bytes, std::shared_ptr<ddp::detail::shared_allocation>& hold,
-                     descriptor_in where = descriptor_in::payload) {
-    const auto b = descriptor_of(r, c, where);
+  std::byte* resolve(int r, std::uint64_t c, std::size_t bytes, std::shared_ptr<ddp::detail::shared_allocation>& hold) {
+    const auto b = descriptor_of(r, c);
     if (b.kind != 1) return nullptr;
     hold = registry_->find(b.allocation);
     if (!hold || b.offset + bytes > hold->bytes) {
@@ -527,12 +532,11 @@ class shm_communicator {
   }
 
   template <class E>
-  bool zero_copy(std::uint64_t c, std::size_t bytes, ptrs<E>& bufs, std::vector<std::shared_ptr<ddp::detail::shared_allocation>>& hold,
-                 descriptor_in where = descriptor_in::payload) {
+  bool zero_copy(std::uint64_t c, std::size_t bytes, ptrs<E>& bufs, std::vector<std::shared_ptr<ddp::detail::shared_allocation>>& hold) {
     for (int j = 0; j < size_; ++j)
-      if (descriptor_of(j, c, where).kind != 1) return false;
+      if (descriptor_of(j, c).kind != 1) return false;
     hold.resize(static_cast<std::size_t>(size_));
-    for (int j = 0; j < size_; ++j) bufs[j] = reinterpret_cast<E*>(resolve(j, c, bytes, hold[static_cast<std::size_t>(j)], where));
+    for (int j = 0; j < size_; ++j) bufs[j] = reinterpret_cast<E*>(resolve(j, c, bytes, hold[static_cast<std::size_t>(j)]));
     return true;
   }
 
@@ -564,15 +568,15 @@ class shm_communicator {
         // Only once shared buffers exist: allocate() is collective, so every rank agrees on that,
         // and a program that never allocates keeps the plain slot path (the offer costs ~0.1 us).
         std::uint64_t data_call = c;
-        if (bytes >= opts_.small_zero_copy_bytes && allocations_ > 0) {
+        if (bytes >= opts_.small_zero_copy_bytes && bytes > slot::inline_bytes && allocations_ > 0) {
           // More ranks than CPUs: each handoff may cost a trip through the scheduler, and zero
           // copy has two to the slots' one, so such a rank offers nothing (p = 3 on 2 CPUs: 1.3-1.6x).
           const auto mine = group_.oversubscribed() ? shm_direct::buffer_descriptor{} : describe(data, bytes, false);
           publish(c, d, data, mine.kind == 1 ? 0 : bytes, &mine);
           enter(c, d, dl);
           int shared = 0;
-          for (int j = 0; j < size_; ++j) shared += descriptor_of(j, c, descriptor_in::header_line).kind == 1 ? 1 : 0;
-          if (shared == size_ && reduce_zero_copy(c, descriptor_in::header_line, n, f, root, d, dl)) return;
+          for (int j = 0; j < size_; ++j) shared += descriptor_of(j, c).kind == 1 ? 1 : 0;
+          if (shared == size_ && reduce_zero_copy(c, n, f, root, d, dl)) return;
           if (shared != 0) {
             data_call = ++calls_;
             publish(data_call, d, data, bytes);
@@ -584,25 +588,25 @@ class shm_communicator {
         }
         if (root >= 0 && rank_ != root) return;
         ptrs<const std::byte> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data : peer_payload<std::byte>(j, data_call);
+        for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data : peer_payload<std::byte>(j, data_call, bytes);
         std::byte* dst = data;
         f(src.data(), size_, &dst, 1, n);
         return;
       }
       enter_with_buffer(c, d, dl, data, bytes, false);
-      if (reduce_zero_copy(c, descriptor_in::payload, n, f, root, d, dl)) return;
+      if (reduce_zero_copy(c, n, f, root, d, dl)) return;
       staged_reduce(data, n, f, root, d, dl);
     });
   }
 
   // When every rank's buffer of call c is shared: reduces this rank's slice of every buffer
   // (all_reduce) or of the root's (reduce) in place and returns true.
-  bool reduce_zero_copy(std::uint64_t c, descriptor_in where, std::size_t n, const shm_direct::erased_fold& f, int root,
+  bool reduce_zero_copy(std::uint64_t c, std::size_t n, const shm_direct::erased_fold& f, int root,
                         const collective_desc& d, deadline dl) {
     const std::size_t es = f.element_size;
     ptrs<std::byte> bufs(size_);
     std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-    if (!zero_copy(c, n * es, bufs, hold, where)) return false;
+    if (!zero_copy(c, n * es, bufs, hold)) return false;
     const std::size_t lo = shm_direct::slice_begin(n, size_, rank_, es), hi = shm_direct::slice_begin(n, size_, rank_ + 1, es);
     ptrs<const std::byte> src(size_);
     ptrs<std::byte> dst(size_);
@@ -627,7 +631,7 @@ class shm_communicator {
         publish(c, d, in, in_bytes);
         enter(c, d, dl);
         ptrs<const std::byte> src(size_);
-        for (int j = 0; j < size_; ++j) src[j] = (j == rank_ ? in : peer_payload<std::byte>(j, c)) + offset;
+        for (int j = 0; j < size_; ++j) src[j] = (j == rank_ ? in : peer_payload<std::byte>(j, c, in_bytes)) + offset;
         f(src.data(), size_, &out, 1, n);
         return;
       }

@@ -10,9 +10,10 @@
 // bit-identical on all ranks, whichever path (small, staged, zero-copy) a call takes.
 //
 // Per-rank control layout, in that rank's segment (written only by its owner):
-//   slot[2]      one per call parity: u64 call number | 32-byte wire_header | payload.
-//                The payload is the data of a small collective, or a descriptor saying where
-//                the rank's buffer is (staging, or a shared_buffer allocation + offset).
+//   slot[2]      one per call parity, header line: u64 call number | 32-byte wire_header |
+//                24 bytes that hold the buffer descriptor (where the rank's buffer is: staging,
+//                or a shared_buffer allocation + offset) or, in a call without one, a payload of
+//                at most 24 bytes; then the payload of a small collective, from the next line.
 //                A slot is valid for call c only when its call number is c: stale slots are
 //                never mistaken for new ones. Two slots suffice because no rank can enter
 //                call c + 2 before every rank has entered call c + 1 (each call starts with
@@ -49,14 +50,17 @@ static_assert(sizeof(buffer_descriptor) == 24);
 
 struct slot {
   static constexpr std::size_t payload_offset = 64;  // call (8) + header (32) + descriptor (24): one cache line
+  static constexpr std::size_t inline_bytes = sizeof(buffer_descriptor);
   std::atomic<std::uint64_t> call;
   unsigned char header[wire_header::size];
-  // Where the rank's buffer is, for small calls that may take the zero-copy path: in the line
-  // the peers read for the header anyway.
+  // In the line the peers read for the header anyway, so one ownership transfer brings both:
+  // where the rank's buffer is, or a payload of at most inline_bytes (a call with no descriptor).
   unsigned char descriptor[sizeof(buffer_descriptor)];
-  // payload follows, on its own cache line
-  std::byte* payload() noexcept { return reinterpret_cast<std::byte*>(this) + payload_offset; }
-  const std::byte* payload() const noexcept { return reinterpret_cast<const std::byte*>(this) + payload_offset; }
+  // a larger payload follows, on its own cache line
+  std::byte* payload(std::size_t bytes) noexcept {
+    return bytes <= inline_bytes ? reinterpret_cast<std::byte*>(descriptor) : reinterpret_cast<std::byte*>(this) + payload_offset;
+  }
+  const std::byte* payload(std::size_t bytes) const noexcept { return const_cast<slot*>(this)->payload(bytes); }
 };
 static_assert(offsetof(slot, header) == 8);
 static_assert(offsetof(slot, descriptor) + sizeof(buffer_descriptor) == slot::payload_offset);
