@@ -325,7 +325,7 @@ void print_usage(std::FILE* to) {
                "  --out-of-place         read one buffer, write another (default: in place, as DDP does)\n"
                "  --min-bytes B          smallest size (default 4); sizes double up to --max-bytes\n"
                "  --max-bytes B          largest size (default 67108864)\n"
-               "  --iters N              calls per timed block, scaled by size: x10 below 1 MiB, fewer from 1 MiB (default 20)\n"
+               "  --iters N              calls per timed block, scaled by size: x100 below 64 KiB, x10 below 1 MiB, fewer from 1 MiB (default 20)\n"
                "  --warmup N             untimed calls per side and size (default 5)\n"
                "  --csv                  CSV rows, systems \"nccl\" and NAME (--system, default \"ddp\")\n"
                "exit status: 0 done, 1 a check or rank failed, 2 bad flags or too few GPUs, 77 no GPU visible (skipped)\n");
