@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,14 @@ inline std::vector<std::size_t> sizes(const sweep_options& o) {
   std::vector<std::size_t> out;
   for (std::size_t b = std::max<std::size_t>(o.min_bytes, 4); b <= o.max_bytes; b *= 2) out.push_back(b);
   return out;
+}
+
+/// A whole decimal integer in [lo, hi], or nothing ("12x", "", out of range): for flag values.
+inline std::optional<int> parse_int(const std::string& text, long lo, long hi) {
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || value < lo || value > hi) return std::nullopt;
+  return static_cast<int>(value);
 }
 
 /// Iterations for a size: fewer for big messages so a sweep stays bounded, many for small ones:

@@ -101,10 +101,9 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 int to_int(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (end == v.c_str() || *end != '\0' || x < 0 || x > 1'000'000'000) usage(flag + " " + v + ": expected a non-negative integer");
-  return static_cast<int>(x);
+  const auto x = ddp::bench::parse_int(v, 0, 1'000'000'000);
+  if (!x) usage(flag + " " + v + ": expected a non-negative integer");
+  return *x;
 }
 
 options parse(int argc, char** argv) {

@@ -338,10 +338,9 @@ void print_usage(std::FILE* to) {
 }
 
 int parse_positive(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  const long value = std::strtol(text.c_str(), &end, 10);
-  if (end == text.c_str() || *end != '\0' || value < 1 || value > 1000000) usage(flag + " " + text + ": expected a positive integer");
-  return static_cast<int>(value);
+  const auto value = ddp::bench::parse_int(text, 1, 1000000);
+  if (!value) usage(flag + " " + text + ": expected a positive integer");
+  return *value;
 }
 
 options parse(int argc, char** argv) {

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/bench_table.hpp"
 #include "ddp/backends/nccl.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/hash_store.hpp"
@@ -74,13 +75,12 @@ void spin_until_done(cudaEvent_t event, cudaStream_t stream) {
 }
 
 int parse_positive(const char* flag, const char* text) {
-  char* end = nullptr;
-  const long value = std::strtol(text, &end, 10);
-  if (end == text || *end != '\0' || value < 1 || value > 10000000) {
+  const auto value = ddp::bench::parse_int(text, 1, 10000000);
+  if (!value) {
     std::fprintf(stderr, "ddp_bench_nccl_calls: %s %s: expected a positive integer\n", flag, text);
     std::exit(2);
   }
-  return static_cast<int>(value);
+  return *value;
 }
 
 }  // namespace
