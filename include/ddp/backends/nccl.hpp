@@ -407,7 +407,7 @@ class nccl_backend {
     while (true) {
       check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError", site);
       if (state == ncclSuccess) return;
-      if (state != ncclInProgress) check(state, "NCCL (asynchronous error)", site);
+      check(state, "NCCL (asynchronous error)", site);  // throws unless still in progress
       check_abort_or_deadline(site, until);
     }
   }
