@@ -185,11 +185,19 @@ munge_round_trip() { munge -n -S "$socket" | unmunge -S "$socket"; }
 wait_for "munge credential round trip" 20 munged munge_round_trip
 
 # slurm.conf: this host as controller and only node, every path under $work, no accounting,
-# no cgroups, no SPANK plugins. Ports outside Slurm's defaults (6817/6818) and the batch script's 20000-39999.
+# no cgroups, no SPANK plugins. Ports outside Slurm's defaults (6817/6818), the batch script's
+# 20000-39999 and the kernel's ephemeral range: inside it, an outgoing connection of a test
+# running beside this one could hold the port, and slurmctld would fail with "Address already in use".
 host=$(hostname -s)
 cpus=$(nproc)
 [ "$cpus" -ge 2 ] || cpus=2   # the job has two tasks; SlurmdParameters=config_overrides lets a 1-CPU host claim 2
-ctld_port=$((40000 + ($$ % 10000) * 2)) slurmd_port=$((40001 + ($$ % 10000) * 2))
+read -r _ ephemeral_last < /proc/sys/net/ipv4/ip_local_port_range
+if [ "$ephemeral_last" -le 64535 ]; then
+  port_base=$((ephemeral_last + 1)) port_pairs=$(((65535 - ephemeral_last) / 2))
+else
+  port_base=10000 port_pairs=5000   # the ephemeral range reaches 65535: below the batch script's ports
+fi
+ctld_port=$((port_base + ($$ % port_pairs) * 2)) slurmd_port=$((port_base + 1 + ($$ % port_pairs) * 2))
 mkdir -p "$work/state" "$work/spool"
 : > "$work/plugstack.conf"   # no SPANK plugins from this host's /etc/slurm/plugstack.conf
 cat > "$conf" <<EOF
