@@ -49,6 +49,7 @@
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/detail/cheap_clocks.hpp"
 #include "ddp/detail/function_ref.hpp"
 #include "ddp/detail/pg_backend_traits.hpp"
 #include "ddp/detail/pg_range_calls.hpp"
@@ -338,19 +339,19 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
 
   // Written only by the executing thread (one collective at a time), read by anyone: relaxed
   // atomics, so neither side takes a lock on the latency path.
+  // Time is kept in tick_clock ticks (cheaper to read than steady_clock) until read.
   struct counters_of_op {
-    std::atomic<std::uint64_t> calls{0}, failures{0}, bytes{0};
-    std::atomic<std::int64_t> nanoseconds{0};
-    void add(std::size_t b, std::chrono::nanoseconds t, bool failed) noexcept {
+    std::atomic<std::uint64_t> calls{0}, failures{0}, bytes{0}, ticks{0};
+    void add(std::size_t b, detail::tick_clock::ticks t, bool failed) noexcept {
       constexpr auto r = std::memory_order_relaxed;
       calls.store(calls.load(r) + 1, r);
       bytes.store(bytes.load(r) + b, r);
-      nanoseconds.store(nanoseconds.load(r) + t.count(), r);
+      ticks.store(ticks.load(r) + t, r);
       if (failed) failures.store(failures.load(r) + 1, r);
     }
     collective_stats snapshot() const noexcept {
       constexpr auto r = std::memory_order_relaxed;
-      return {.calls = calls.load(r), .failures = failures.load(r), .bytes = bytes.load(r), .time = std::chrono::nanoseconds(nanoseconds.load(r))};
+      return {.calls = calls.load(r), .failures = failures.load(r), .bytes = bytes.load(r), .time = detail::tick_clock::to_duration(ticks.load(r))};
     }
   };
 
@@ -737,7 +738,10 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
 
   static void execute_on(state& s, const collective_desc& desc, std::size_t bytes, runner_ref fn, detail::work_state* ws) {
     const std::chrono::milliseconds timeout(s.timeout_ms.load(std::memory_order_relaxed));
-    const auto start = clock::now();  // one clock read for the deadline, the watchdog and the statistics
+    // Two cheap clocks rather than steady_clock (see cheap_clocks.hpp): one read for the
+    // deadlines, never early, and two of the tick counter for the statistics.
+    const auto start_ticks = detail::tick_clock::now();
+    const auto start = detail::coarse_now() + detail::coarse_resolution();
     const deadline until = after(start, timeout);
     const deadline fire_at = after(start, timeout + watchdog_grace(timeout));
     const std::uint64_t token = ++s.tokens;
@@ -755,7 +759,8 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
       failure = error(errc::internal, "the backend threw a non-standard exception", desc.context(s.rank));
     }
     s.watchdog.end();
-    const auto elapsed = clock::now() - start;
+    const auto end_ticks = detail::tick_clock::now();
+    const detail::tick_clock::ticks elapsed = end_ticks > start_ticks ? end_ticks - start_ticks : 0;
     if (s.watchdog.tripped(token)) {
       std::string message = "not completed within the group timeout of " + std::to_string(timeout.count()) + " ms; the backend was aborted";
       if constexpr (detail::pg_has_missing_ranks<B>) {
@@ -768,7 +773,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
       if (failure && failure->code() != errc::timeout) message += " (the backend then reported: " + failure->message() + ")";
       failure = error(errc::timeout, message, desc.context(s.rank));
     }
-    s.counters[static_cast<std::size_t>(desc.op)].add(bytes, std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed), failure.has_value());
+    s.counters[static_cast<std::size_t>(desc.op)].add(bytes, elapsed, failure.has_value());
     if (failure) {
       {
         std::lock_guard lock(s.mutex);
