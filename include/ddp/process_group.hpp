@@ -748,20 +748,37 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     // A waiter gives up on a backend that ignores abort() a while after the watchdog fired.
     if (ws) ws->started(after(start, timeout + watchdog_grace(timeout) + std::chrono::seconds(2)));
     s.watchdog.begin(token, fire_at);
-    std::optional<error> failure;
+    std::exception_ptr thrown;  // the failure path lives out of line: the fast path stays small
     try {
       fn(desc, until);
-    } catch (const error& e) {
-      failure = e.context().op.empty() ? e.with_context(desc.context(s.rank)) : e;
-    } catch (const std::exception& e) {
-      failure = error(errc::internal, std::string("the backend threw: ") + e.what(), desc.context(s.rank));
     } catch (...) {
-      failure = error(errc::internal, "the backend threw a non-standard exception", desc.context(s.rank));
+      thrown = std::current_exception();
     }
     s.watchdog.end();
     const auto end_ticks = detail::tick_clock::now();
     const detail::tick_clock::ticks elapsed = end_ticks > start_ticks ? end_ticks - start_ticks : 0;
-    if (s.watchdog.tripped(token)) {
+    const bool tripped = s.watchdog.tripped(token);
+    s.counters[static_cast<std::size_t>(desc.op)].add(bytes, elapsed, thrown || tripped);
+    if (thrown || tripped) fail_call(s, desc, timeout, tripped, thrown);
+  }
+
+  // A failed call: its error with the call's context, or a timeout when the watchdog fired;
+  // recorded as the group's failure, then thrown.
+  [[noreturn]] [[gnu::cold]] [[gnu::noinline]] static void fail_call(state& s, const collective_desc& desc, std::chrono::milliseconds timeout,
+                                                                     bool tripped, std::exception_ptr thrown) {
+    std::optional<error> failure;
+    if (thrown) {
+      try {
+        std::rethrow_exception(thrown);
+      } catch (const error& e) {
+        failure = e.context().op.empty() ? e.with_context(desc.context(s.rank)) : e;
+      } catch (const std::exception& e) {
+        failure = error(errc::internal, std::string("the backend threw: ") + e.what(), desc.context(s.rank));
+      } catch (...) {
+        failure = error(errc::internal, "the backend threw a non-standard exception", desc.context(s.rank));
+      }
+    }
+    if (tripped) {
       std::string message = "not completed within the group timeout of " + std::to_string(timeout.count()) + " ms; the backend was aborted";
       if constexpr (detail::pg_has_missing_ranks<B>) {
         const std::vector<int> missing = s.backend.missing_ranks();
@@ -773,15 +790,12 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
       if (failure && failure->code() != errc::timeout) message += " (the backend then reported: " + failure->message() + ")";
       failure = error(errc::timeout, message, desc.context(s.rank));
     }
-    s.counters[static_cast<std::size_t>(desc.op)].add(bytes, elapsed, failure.has_value());
-    if (failure) {
-      {
-        std::lock_guard lock(s.mutex);
-        if (!s.failure) s.failure = *failure;
-      }
-      s.is_broken.store(true);
-      throw *failure;
+    {
+      std::lock_guard lock(s.mutex);
+      if (!s.failure) s.failure = *failure;
     }
+    s.is_broken.store(true);
+    throw *failure;
   }
 
   std::unique_ptr<state> s_;
