@@ -47,6 +47,7 @@ class shared_registry {
     std::lock_guard lock(mutex_);
     prune_locked();
     by_id_[a->id] = a;
+    by_start_[a->own()] = a->id;
   }
   std::shared_ptr<shared_allocation> find(std::uint64_t id) const {
     std::lock_guard lock(mutex_);
@@ -57,25 +58,39 @@ class shared_registry {
     std::shared_ptr<shared_allocation> allocation;
     std::size_t offset;
   };
-  /// The allocation whose own segment holds [p, p + bytes), if any.
+  /// The allocation whose own segment holds [p, p + bytes), if any: the one that starts last at
+  /// or before p (a collective looks this up on every call; a DDP model has one per bucket).
+  /// Entries never overlap: add() drops the freed ones before a new mapping can reuse their
+  /// addresses, so no live segment can hold p when that one does not.
   std::optional<location> find_span(const void* p, std::size_t bytes) const {
     const auto* b = static_cast<const std::byte*>(p);
     std::lock_guard lock(mutex_);
-    for (const auto& [id, weak] : by_id_) {
-      auto a = weak.lock();
-      if (!a) continue;
-      const std::byte* own = a->own();
-      if (b >= own && b + bytes <= own + a->bytes) return location{std::move(a), static_cast<std::size_t>(b - own)};
-    }
+    auto it = by_start_.upper_bound(b);
+    if (it == by_start_.begin()) return std::nullopt;
+    --it;
+    const auto entry = by_id_.find(it->second);
+    if (entry == by_id_.end()) return std::nullopt;
+    auto a = entry->second.lock();
+    if (!a) return std::nullopt;
+    const std::byte* own = a->own();
+    if (b >= own && b + bytes <= own + a->bytes) return location{std::move(a), static_cast<std::size_t>(b - own)};
     return std::nullopt;
   }
 
  private:
   void prune_locked() {
-    for (auto it = by_id_.begin(); it != by_id_.end();) it = it->second.expired() ? by_id_.erase(it) : std::next(it);
+    for (auto it = by_id_.begin(); it != by_id_.end();) {
+      if (it->second.expired()) {
+        std::erase_if(by_start_, [&](const auto& e) { return e.second == it->first; });
+        it = by_id_.erase(it);
+      } else {
+        it = std::next(it);
+      }
+    }
   }
   mutable std::mutex mutex_;
   std::map<std::uint64_t, std::weak_ptr<shared_allocation>> by_id_;
+  std::map<const std::byte*, std::uint64_t> by_start_;  // each allocation's own segment, by start
 };
 
 }  // namespace detail

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -338,6 +339,52 @@ TEST_CASE("shm collectives: small all_reduce / reduce with group buffers on some
       }
     });
   }
+}
+
+TEST_CASE("shm collectives: zero copy with each rank's buffer in a different group allocation, at an offset") {
+  // Usually every rank passes its part of the same allocation; here rank r passes allocation
+  // r % 3 of three, starting r + 1 elements in, so the peers' buffers are looked up by id.
+  for (int p : {2, 3}) {
+    run_group(p, "shmallocs", [p](int rank, comm_t& comm) {
+      std::uint64_t seq = 0;
+      for (std::size_t n : {std::size_t{700}, std::size_t{5000}}) {  // float64: the small offer path and the large path
+        std::vector<test_buffer<double>> buffers;
+        for (int a = 0; a < 3; ++a) buffers.emplace_back(comm, n + 8, true);  // collective: every rank allocates all three
+        const std::span<double> data = buffers[static_cast<std::size_t>(rank % 3)].span().subspan(static_cast<std::size_t>(rank) + 1, n);
+        const std::size_t shift = static_cast<std::size_t>(++seq) * 11;
+        for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
+        comm.all_reduce(data, ddp::sum{}, make_desc(seq, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(60s));
+        const auto what = "p=" + std::to_string(p) + " n=" + std::to_string(n);
+        for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "all_reduce " + what, i);
+        for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i);
+        comm.broadcast(data, p - 1, make_desc(++seq, collective::broadcast, ddp::dtype::float64, n, reduce_kind::sum, p - 1), ddp::deadline::after(60s));
+        for (std::size_t i = 0; i < n; ++i) expect_equal(data[i], input<double>(p - 1, i), "broadcast " + what, i);
+      }
+    });
+  }
+}
+
+TEST_CASE("shm collectives: a peer passing memory of a shared buffer this rank has freed is an error on every rank, not a crash") {
+  run_group(2, "shmfreed", [](int rank, comm_t& comm) {
+    const std::size_t n = 5000;
+    auto kept = std::make_unique<test_buffer<double>>(comm, n, true);
+    auto dropped = std::make_unique<test_buffer<double>>(comm, n, true);
+    // Rank 0 frees the second buffer; rank 1 still passes its part of it.
+    std::span<double> data = rank == 0 ? kept->span() : dropped->span();
+    if (rank == 0) dropped.reset();
+    try {
+      comm.all_reduce(data, ddp::sum{}, make_desc(1, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(20s));
+      ddp::test::check(false, "the all_reduce succeeded");
+    } catch (const ddp::error& e) {
+      const std::string what = e.what();
+      if (rank == 0) {
+        ddp::test::check(e.code() == ddp::errc::invalid_argument, "rank 0: wrong code: " + what);
+        ddp::test::check(what.find("already freed") != std::string::npos && what.find("rank 1") != std::string::npos, "rank 0: " + what);
+      } else {
+        ddp::test::check(e.code() == ddp::errc::peer_lost || e.code() == ddp::errc::invalid_argument, "rank 1: wrong code: " + what);
+      }
+    }
+  });
 }
 
 TEST_CASE("shm collectives: broadcast copies the root's buffer exactly") {

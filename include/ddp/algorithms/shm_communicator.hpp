@@ -145,8 +145,7 @@ class shm_communicator {
         return;
       }
       enter_with_buffer(c, d, dl, data.data(), bytes, false);
-      std::shared_ptr<ddp::detail::shared_allocation> hold;
-      if (const std::byte* src = shared_source(root, c, bytes, hold)) {
+      if (const std::byte* src = resolve(root, c, bytes)) {
         if (rank_ != root) std::memcpy(data.data(), src, bytes);
         sync_all(d, dl, rank_ == root);  // the root's buffer stays untouched until every rank has read it
         return;
@@ -177,8 +176,7 @@ class shm_communicator {
       }
       enter_with_buffer(c, d, dl, in.data(), bytes, overlaps(in, out) && in.data() != own);
       ptrs<E> bufs(size_);
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-      if (zero_copy(c, bytes, bufs, hold)) {
+      if (zero_copy(c, bytes, bufs)) {
         for (int j = 0; j < size_; ++j)
           if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, bufs[j], bytes);
         std::memmove(own, in.data(), bytes);
@@ -229,8 +227,7 @@ class shm_communicator {
       }
       enter_with_buffer(c, d, dl, in.data(), in.size_bytes(), overlaps(in, out));
       ptrs<E> bufs(size_);
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-      if (zero_copy(c, in.size_bytes(), bufs, hold)) {
+      if (zero_copy(c, in.size_bytes(), bufs)) {
         for (int j = 0; j < size_; ++j) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, bufs[j] + offset, block);
         sync_all(d, dl, true);
         return;
@@ -366,6 +363,12 @@ class shm_communicator {
     if (failed_) {
       throw error(failed_->code(), "this communicator failed in an earlier call (" + failed_->message() + ") and cannot be used", d.context(rank_));
     }
+    // The shared allocations this call used stay mapped until it returns, however the user's
+    // other threads free buffers meanwhile; then they are let go (capacity kept: no allocation).
+    struct release_held {
+      std::vector<std::shared_ptr<ddp::detail::shared_allocation>>& held;
+      ~release_held() { held.clear(); }
+    } released{held_};
     try {
       body();
     } catch (const error& e) {
@@ -492,13 +495,15 @@ class shm_communicator {
     if (wait_all) wait_counter(shm_direct::synced, s, -1, d, dl, "finish reading the shared buffers");
   }
 
-  shm_direct::buffer_descriptor describe(const void* p, std::size_t bytes, bool unsafe_overlap) const {
+  // Where this rank's buffer is; a shared one is held for the rest of the call (see held_).
+  shm_direct::buffer_descriptor describe(const void* p, std::size_t bytes, bool unsafe_overlap) {
     shm_direct::buffer_descriptor b;
     if (unsafe_overlap) return b;
     if (auto where = registry_->find_span(p, bytes)) {
       b.kind = 1;
       b.allocation = where->allocation->id;
       b.offset = where->offset;
+      held_.push_back(std::move(where->allocation));
     }
     return b;
   }
@@ -518,11 +523,20 @@ class shm_communicator {
     return b;
   }
 
-  // Where rank r's buffer is mapped here, when it is a shared buffer; nullptr otherwise.
-  std::byte* resolve(int r, std::uint64_t c, std::size_t bytes, std::shared_ptr<ddp::detail::shared_allocation>& hold) {
+  // Where rank r's buffer is mapped here, when it is a shared buffer; nullptr otherwise. Usually
+  // every rank's buffer lies in the same collective allocation as this rank's: then no lookup.
+  std::byte* resolve(int r, std::uint64_t c, std::size_t bytes) {
     const auto b = descriptor_of(r, c);
     if (b.kind != 1) return nullptr;
-    hold = registry_->find(b.allocation);
+    const ddp::detail::shared_allocation* hold = nullptr;
+    for (const auto& a : held_)
+      if (a->id == b.allocation) hold = a.get();
+    if (hold == nullptr) {
+      if (auto found = registry_->find(b.allocation)) {
+        hold = found.get();
+        held_.push_back(std::move(found));
+      }
+    }
     if (!hold || b.offset + bytes > hold->bytes) {
       throw error(errc::invalid_argument, "rank " + std::to_string(r) + " passed memory of shared buffer #" + std::to_string(b.allocation) +
                                               ", which this rank has already freed: free shared buffers on every rank together",
@@ -532,16 +546,11 @@ class shm_communicator {
   }
 
   template <class E>
-  bool zero_copy(std::uint64_t c, std::size_t bytes, ptrs<E>& bufs, std::vector<std::shared_ptr<ddp::detail::shared_allocation>>& hold) {
+  bool zero_copy(std::uint64_t c, std::size_t bytes, ptrs<E>& bufs) {
     for (int j = 0; j < size_; ++j)
       if (descriptor_of(j, c).kind != 1) return false;
-    hold.resize(static_cast<std::size_t>(size_));
-    for (int j = 0; j < size_; ++j) bufs[j] = reinterpret_cast<E*>(resolve(j, c, bytes, hold[static_cast<std::size_t>(j)]));
+    for (int j = 0; j < size_; ++j) bufs[j] = reinterpret_cast<E*>(resolve(j, c, bytes));
     return true;
-  }
-
-  const std::byte* shared_source(int root, std::uint64_t c, std::size_t bytes, std::shared_ptr<ddp::detail::shared_allocation>& hold) {
-    return resolve(root, c, bytes, hold);
   }
 
   // --- staged pipeline (ordinary memory) ---------------------------------------------------
@@ -605,8 +614,7 @@ class shm_communicator {
                         const collective_desc& d, deadline dl) {
     const std::size_t es = f.element_size;
     ptrs<std::byte> bufs(size_);
-    std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-    if (!zero_copy(c, n * es, bufs, hold)) return false;
+    if (!zero_copy(c, n * es, bufs)) return false;
     const std::size_t lo = shm_direct::slice_begin(n, size_, rank_, es), hi = shm_direct::slice_begin(n, size_, rank_ + 1, es);
     ptrs<const std::byte> src(size_);
     ptrs<std::byte> dst(size_);
@@ -637,8 +645,7 @@ class shm_communicator {
       }
       enter_with_buffer(c, d, dl, in, in_bytes, out_elsewhere_in_in);
       ptrs<std::byte> bufs(size_);
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>> hold;
-      if (zero_copy(c, in_bytes, bufs, hold)) {
+      if (zero_copy(c, in_bytes, bufs)) {
         ptrs<const std::byte> src(size_);
         for (int j = 0; j < size_; ++j) src[j] = bufs[j] + offset;
         f(src.data(), size_, &out, 1, n);
@@ -770,6 +777,7 @@ class shm_communicator {
   mutable ddp::detail::shm::shm_group group_;
   shm_transport p2p_;
   std::shared_ptr<ddp::detail::shared_registry> registry_;
+  std::vector<std::shared_ptr<ddp::detail::shared_allocation>> held_;  // by the running call (describe, resolve)
   std::uint64_t calls_ = 0;        // collective calls (slot numbers), the same on every rank
   std::uint64_t chunks_ = 0;       // staged chunks so far
   std::uint64_t syncs_ = 0;        // zero-copy end-of-call handoffs so far
