@@ -4,6 +4,7 @@
 // The default timeout is 300 s, or DDP_TIMEOUT (seconds, may be fractional) when set.
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -60,16 +61,23 @@ class deadline {
   clock::time_point at_;
 };
 
-/// DDP_TIMEOUT (seconds) or 300 s. A malformed value is a ddp::error naming the variable.
-inline std::chrono::milliseconds default_timeout() {
-  const char* text = std::getenv("DDP_TIMEOUT");
-  if (text == nullptr || *text == '\0') return std::chrono::seconds(300);
+namespace detail {
+/// DDP_TIMEOUT's rules applied to a given text (also used by launch_env with an injected lookup).
+inline std::chrono::milliseconds parse_timeout(const char* text) {
   char* end = nullptr;
   const double seconds = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
     throw error(errc::config, std::string("DDP_TIMEOUT='") + text + "' is not a positive number of seconds (e.g. DDP_TIMEOUT=300)");
   }
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+}  // namespace detail
+
+/// DDP_TIMEOUT (seconds) or 300 s. A malformed value is a ddp::error naming the variable.
+inline std::chrono::milliseconds default_timeout() {
+  const char* text = std::getenv("DDP_TIMEOUT");
+  if (text == nullptr || *text == '\0') return std::chrono::seconds(300);
+  return detail::parse_timeout(text);
 }
 
 }  // namespace ddp

@@ -100,17 +100,6 @@ inline int parse_port(std::string_view name, const char* text) {
   return static_cast<int>(*v);
 }
 
-/// DDP_TIMEOUT's rules (see default_timeout in core/deadline.hpp), applied to a given text so
-/// that an injected lookup can be used.
-inline std::chrono::milliseconds parse_timeout(const char* text) {
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
-    throw error(errc::config, std::string("DDP_TIMEOUT='") + text + "' is not a positive number of seconds (e.g. DDP_TIMEOUT=300)");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-}
-
 /// Slurm's tasks-per-node syntax, "2(x3),1" -> {2, 2, 2, 1}.
 inline std::vector<int> expand_tasks_per_node(std::string_view name, std::string_view text) {
   const auto bad = [&](std::string_view why) -> std::vector<int> {
