@@ -200,8 +200,10 @@ class shm_group {
   void wait(Ready&& ready, deadline dl, Fail&& fail, WaitsOn&& waits_on) {
     if (ready()) return;
     // The spin's clock starts at its first check, 64 pauses in (about a microsecond): most waits
-    // of a small collective end before that, and a clock read costs ~25 ns, a tenth of such a call.
-    clock::time_point start{};
+    // of a small collective end before that, and a clock read costs ~25 ns, a tenth of such a
+    // call. Not so with more ranks than CPUs: there the short spin must stay short (the awaited
+    // rank may need this CPU), and a wait costs a trip through the scheduler anyway.
+    clock::time_point start = oversubscribed_ ? clock::now() : clock::time_point{};
     const auto spin_for = oversubscribed_ ? policy_.spin_oversubscribed : policy_.spin;
     for (unsigned i = 1;; ++i) {
       cpu_relax();
@@ -209,7 +211,7 @@ class shm_group {
       if ((i & 63u) == 0) {
         if (aborted()) fail_now(fail, waits_on);
         const auto now = clock::now();
-        if (i == 64) start = now;
+        if (i == 64 && !oversubscribed_) start = now;
         if (now - start >= spin_for) break;
         if (!dl.is_never() && now >= dl.time_point()) fail_timeout(ready, fail, start);
       }
