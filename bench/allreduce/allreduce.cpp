@@ -47,7 +47,7 @@ int sweep(ddp::process_group<ddp::ring_backend>& g, Buffer& data, std::vector<fl
       if (o.in_place) g.all_reduce(buf);
       else g.all_reduce(src, buf);
     };
-    for (int i = 0; i < o.sweep.warmup; ++i) once();
+    for (int i = 0, n = ddp::bench::warmup_for(bytes, o.sweep); i < n; ++i) once();
     const int iters = ddp::bench::iterations_for(bytes, o.sweep.iters);
     g.barrier();
     const auto start = std::chrono::steady_clock::now();

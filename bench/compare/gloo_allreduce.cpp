@@ -31,7 +31,7 @@ int run_rank(int rank, int size, const std::string& dir, const ddp::bench::sweep
   for (std::size_t bytes : sizes) {
     const int count = static_cast<int>(bytes / 4);
     gloo::AllreduceRing<float> allreduce(context, ptrs, count);
-    for (int i = 0; i < options.warmup; ++i) allreduce.run();
+    for (int i = 0, n = ddp::bench::warmup_for(bytes, options); i < n; ++i) allreduce.run();
     const int iters = ddp::bench::iterations_for(bytes, options.iters);
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) allreduce.run();

@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
       if (in_place) MPI_Allreduce(MPI_IN_PLACE, out.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       else MPI_Allreduce(in.data(), out.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     };
-    for (int i = 0; i < options.warmup; ++i) once();
+    for (int i = 0, n = ddp::bench::warmup_for(bytes, options); i < n; ++i) once();
     const int iters = ddp::bench::iterations_for(bytes, options.iters);
     MPI_Barrier(MPI_COMM_WORLD);
     const double start = MPI_Wtime();

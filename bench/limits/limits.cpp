@@ -72,7 +72,7 @@ int probe(const ddp::bench::sweep_options& options, bool copy) {
       spin_barrier(control, rank, ++generation);
       if (copy) std::memcpy(user.data(), mine, n * sizeof(float));
     };
-    for (int i = 0; i < options.warmup; ++i) once();
+    for (int i = 0, n = ddp::bench::warmup_for(size_bytes, options); i < n; ++i) once();
     const int iters = ddp::bench::iterations_for(size_bytes, options.iters);
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) once();

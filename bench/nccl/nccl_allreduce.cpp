@@ -225,8 +225,9 @@ int sweep(rank_state& s) {
     const int iters = ddp::bench::iterations_for(bytes, o.sweep.iters);
     if (s.rank == 0) std::fprintf(stderr, "ddp_bench_nccl: %zu bytes, %d rounds of %d calls per side\n", bytes, o.rounds, iters);
 
-    for (int i = 0; i < o.sweep.warmup; ++i) raw_call();
-    for (int i = 0; i < o.sweep.warmup; ++i) ddp_call();
+    const int warmup = ddp::bench::warmup_for(bytes, o.sweep);
+    for (int i = 0; i < warmup; ++i) raw_call();
+    for (int i = 0; i < warmup; ++i) ddp_call();
     // results: [raw per round..., ddp per round..., check failures], reduced with max over ranks.
     std::vector<double> results(2 * static_cast<std::size_t>(o.rounds) + 1, 0.0);
     for (int round = 0; round < o.rounds; ++round) {

@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
       for (std::size_t bytes : ddp::bench::sizes(o)) {
         const std::size_t count = bytes / 4;
         const std::span<float> buf(data.data(), count);
-        for (int i = 0; i < o.warmup; ++i) pg->all_reduce(buf);
+        for (int i = 0, n = ddp::bench::warmup_for(bytes, o); i < n; ++i) pg->all_reduce(buf);
         const int iters = ddp::bench::iterations_for(bytes, o.iters);
         pg->barrier();
         const auto tcp_before = b.tcp_bytes_sent();
