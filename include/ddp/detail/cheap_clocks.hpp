@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <x86intrin.h>
@@ -46,8 +48,9 @@ class tick_clock {
   static std::chrono::nanoseconds to_duration(ticks t) noexcept {
     const origin_point& o = origin();
     if (!o.tsc) return std::chrono::nanoseconds(static_cast<std::int64_t>(t));
-    const double ns = static_cast<double>(steady_ticks() - o.steady);
-    const double tsc = static_cast<double>(now() - o.tsc_ticks);
+    const auto [tsc_now, steady_now] = paired_reading();
+    const double ns = static_cast<double>(steady_now - o.steady);
+    const double tsc = static_cast<double>(tsc_now - o.tsc_ticks);
     if (ns <= 0 || tsc <= 0) return std::chrono::nanoseconds(0);
     return std::chrono::nanoseconds(static_cast<std::int64_t>(static_cast<double>(t) * (ns / tsc)));
   }
@@ -58,6 +61,27 @@ class tick_clock {
     std::uint64_t tsc_ticks;
     std::uint64_t steady;
   };
+
+  // The TSC and steady_clock at one moment: steady_clock read between two TSC reads, the
+  // tightest pair of three tries, so that a preemption between the reads does not skew the rate.
+  static std::pair<std::uint64_t, std::uint64_t> paired_reading() noexcept {
+    std::pair<std::uint64_t, std::uint64_t> best{0, 0};
+    std::uint64_t best_gap = ~std::uint64_t{0};
+#if DDP_HAVE_TSC
+    for (int i = 0; i < 3; ++i) {
+      const std::uint64_t before = __rdtsc();
+      const std::uint64_t steady = steady_ticks();
+      const std::uint64_t after = __rdtsc();
+      if (after - before < best_gap) {
+        best_gap = after - before;
+        best = {before + (after - before) / 2, steady};
+      }
+    }
+#else
+    (void)best_gap;
+#endif
+    return best;
+  }
 
   static std::uint64_t steady_ticks() noexcept {
     return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
@@ -80,9 +104,7 @@ class tick_clock {
   static const origin_point& origin() noexcept {
     static const origin_point o = [] {
       origin_point p{kernel_keeps_time_with_tsc(), 0, steady_ticks()};
-#if DDP_HAVE_TSC
-      if (p.tsc) p.tsc_ticks = __rdtsc();
-#endif
+      if (p.tsc) std::tie(p.tsc_ticks, p.steady) = paired_reading();
       return p;
     }();
     return o;
