@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,7 +48,7 @@ class shared_registry {
     std::lock_guard lock(mutex_);
     prune_locked();
     by_id_[a->id] = a;
-    by_start_[a->own()] = a->id;
+    by_start_[a->own()] = a;
   }
   std::shared_ptr<shared_allocation> find(std::uint64_t id) const {
     std::lock_guard lock(mutex_);
@@ -67,10 +68,7 @@ class shared_registry {
     std::lock_guard lock(mutex_);
     auto it = by_start_.upper_bound(b);
     if (it == by_start_.begin()) return std::nullopt;
-    --it;
-    const auto entry = by_id_.find(it->second);
-    if (entry == by_id_.end()) return std::nullopt;
-    auto a = entry->second.lock();
+    auto a = std::prev(it)->second.lock();
     if (!a) return std::nullopt;
     const std::byte* own = a->own();
     if (b >= own && b + bytes <= own + a->bytes) return location{std::move(a), static_cast<std::size_t>(b - own)};
@@ -79,18 +77,13 @@ class shared_registry {
 
  private:
   void prune_locked() {
-    for (auto it = by_id_.begin(); it != by_id_.end();) {
-      if (it->second.expired()) {
-        std::erase_if(by_start_, [&](const auto& e) { return e.second == it->first; });
-        it = by_id_.erase(it);
-      } else {
-        it = std::next(it);
-      }
-    }
+    const auto freed = [](const auto& entry) { return entry.second.expired(); };
+    std::erase_if(by_id_, freed);
+    std::erase_if(by_start_, freed);
   }
   mutable std::mutex mutex_;
   std::map<std::uint64_t, std::weak_ptr<shared_allocation>> by_id_;
-  std::map<const std::byte*, std::uint64_t> by_start_;  // each allocation's own segment, by start
+  std::map<const std::byte*, std::weak_ptr<shared_allocation>> by_start_;  // the same, by the start of this rank's segment
 };
 
 }  // namespace detail
