@@ -25,10 +25,13 @@ struct sweep_options {
   std::string system = "ddp";  // the name in the CSV's first column
 };
 
+/// The sweep's first size: min_bytes, at least one float.
+inline std::size_t first_size(const sweep_options& o) { return std::max<std::size_t>(o.min_bytes, 4); }
+
 /// 4 B, 8 B, ... doubling up to max_bytes (inclusive), at least one float.
 inline std::vector<std::size_t> sizes(const sweep_options& o) {
   std::vector<std::size_t> out;
-  for (std::size_t b = std::max<std::size_t>(o.min_bytes, 4); b <= o.max_bytes; b *= 2) out.push_back(b);
+  for (std::size_t b = first_size(o); b <= o.max_bytes; b *= 2) out.push_back(b);
   return out;
 }
 
@@ -56,8 +59,7 @@ inline int iterations_for(std::size_t bytes, int iters) {
 /// vCPU just woken) lands in no measurement: a sweep's first size read 5 us against 0.8 in the
 /// next run. The same count on every rank (the calls are collective).
 inline int warmup_for(std::size_t bytes, const sweep_options& o) {
-  const bool first = bytes == std::max<std::size_t>(o.min_bytes, 4);
-  return first ? o.warmup + iterations_for(bytes, o.iters) : o.warmup;
+  return bytes == first_size(o) ? o.warmup + iterations_for(bytes, o.iters) : o.warmup;
 }
 
 inline double median(std::vector<double> v) {
