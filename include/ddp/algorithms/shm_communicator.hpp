@@ -308,7 +308,7 @@ class shm_communicator {
     T** data() noexcept { return p_; }
 
    private:
-    T* local_[16] = {};
+    T* local_[16];  // only the first n are used, each written before it is read
     std::vector<T*> heap_;
     T** p_;
   };
@@ -394,25 +394,17 @@ class shm_communicator {
     group_.notify();
   }
 
-  // The descriptor, or else a payload of at most 24 bytes, goes into the header line in the same
-  // write as the header: a peer spinning on this line then pays one ownership transfer for
-  // both, not one each. A larger payload goes to the lines after it.
+  // The descriptor, or else a payload of at most 24 bytes, goes into the header line with the
+  // header: a peer spinning on this line then pays one ownership transfer for both, not one
+  // each. A larger payload goes to the lines after it. Everything is written in place, in
+  // whole words: building the line on the stack and copying it cost store-forwarding stalls.
   void publish(std::uint64_t c, const collective_desc& d, const void* payload, std::size_t bytes,
                const shm_direct::buffer_descriptor* descriptor = nullptr) noexcept {
     slot* s = slot_of(rank_, c);
-    const auto h = wire_header::encode(d);
     static_assert(offsetof(slot, descriptor) == offsetof(slot, header) + wire_header::size);
-    unsigned char line[wire_header::size + slot::inline_bytes];
-    std::memcpy(line, h.bytes, wire_header::size);
-    std::size_t line_bytes = wire_header::size;
-    if (descriptor != nullptr) {
-      std::memcpy(line + wire_header::size, descriptor, sizeof *descriptor);
-      line_bytes = sizeof line;
-    } else if (bytes != 0 && bytes <= slot::inline_bytes) {
-      std::memcpy(line + wire_header::size, payload, bytes);
-      line_bytes += bytes;
-    }
-    std::memcpy(s->header, line, line_bytes);
+    wire_header::encode_to(d, s->header);
+    if (descriptor != nullptr) std::memcpy(s->descriptor, descriptor, sizeof *descriptor);
+    else if (bytes != 0 && bytes <= slot::inline_bytes) std::memcpy(s->descriptor, payload, bytes);
     if (bytes > slot::inline_bytes) std::memcpy(s->payload(bytes), payload, bytes);
     s->call.store(c, std::memory_order_release);
     group_.notify();
@@ -450,8 +442,11 @@ class shm_communicator {
           return true;
         },
         not_entered, d, dl, [&] { return "waiting for " + ranks_where(not_entered) + " to enter " + d.describe(); });
+    // The usual case, every header equal to this rank's own (published above), is one compare
+    // per peer; any difference is decoded and judged field by field.
+    const unsigned char* own = slot_of(rank_, c)->header;
     for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
+      if (j == rank_ || std::memcmp(slot_of(j, c)->header, own, wire_header::size) == 0) continue;
       wire_header h;
       std::memcpy(h.bytes, slot_of(j, c)->header, wire_header::size);
       check_header(h, d, rank_, j);

@@ -5,6 +5,8 @@
 // collectives at the same sequence number are told so on every rank (errc::mismatch,
 // both calls described) instead of hanging or exchanging garbage.
 
+#include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -77,16 +79,19 @@ struct wire_header {
 
   static wire_header encode(const collective_desc& d) noexcept {
     wire_header h;
-    put32(h.bytes + 0, magic_value);
-    h.bytes[4] = static_cast<unsigned char>(d.op);
-    h.bytes[5] = static_cast<unsigned char>(d.type);
-    h.bytes[6] = static_cast<unsigned char>(d.reduction);
-    h.bytes[7] = 0;
-    put64(h.bytes + 8, d.seq);
-    put64(h.bytes + 16, d.count);
-    put32(h.bytes + 24, static_cast<std::uint32_t>(d.root));
-    put32(h.bytes + 28, 0);
+    encode_to(d, h.bytes);
     return h;
+  }
+  /// Writes the wire form of d straight to out (32 bytes): a shared-memory slot is written in
+  /// place, without a copy through the stack.
+  static void encode_to(const collective_desc& d, unsigned char* out) noexcept {
+    put32(out + 0, magic_value);
+    put32(out + 4, static_cast<std::uint32_t>(d.op) | static_cast<std::uint32_t>(d.type) << 8 |
+                       static_cast<std::uint32_t>(d.reduction) << 16);
+    put64(out + 8, d.seq);
+    put64(out + 16, d.count);
+    put32(out + 24, static_cast<std::uint32_t>(d.root));
+    put32(out + 28, 0);
   }
   bool has_magic() const noexcept { return get32(bytes + 0) == magic_value; }
   collective_desc decode() const noexcept {
@@ -101,22 +106,29 @@ struct wire_header {
   }
 
  private:
-  static void put32(unsigned char* p, std::uint32_t v) noexcept {
-    for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  // Whole words on a little-endian host (one store or load each), bytes elsewhere.
+  template <class U>
+  static void put(unsigned char* p, U v) noexcept {
+    if constexpr (std::endian::native == std::endian::little) {
+      std::memcpy(p, &v, sizeof v);
+    } else {
+      for (std::size_t i = 0; i < sizeof v; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+    }
   }
-  static void put64(unsigned char* p, std::uint64_t v) noexcept {
-    for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
-  }
-  static std::uint32_t get32(const unsigned char* p) noexcept {
-    std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(p[i]) << (8 * i);
+  template <class U>
+  static U get(const unsigned char* p) noexcept {
+    U v = 0;
+    if constexpr (std::endian::native == std::endian::little) {
+      std::memcpy(&v, p, sizeof v);
+    } else {
+      for (std::size_t i = 0; i < sizeof v; ++i) v |= static_cast<U>(static_cast<U>(p[i]) << (8 * i));
+    }
     return v;
   }
-  static std::uint64_t get64(const unsigned char* p) noexcept {
-    std::uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
-    return v;
-  }
+  static void put32(unsigned char* p, std::uint32_t v) noexcept { put(p, v); }
+  static void put64(unsigned char* p, std::uint64_t v) noexcept { put(p, v); }
+  static std::uint32_t get32(const unsigned char* p) noexcept { return get<std::uint32_t>(p); }
+  static std::uint64_t get64(const unsigned char* p) noexcept { return get<std::uint64_t>(p); }
 };
 
 /// Compares this rank's call with what a peer announced; on any difference throws
