@@ -15,6 +15,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -536,6 +537,41 @@ TEST_CASE("shm collectives: send/recv around the ring and barriers") {
         }
       });
     });
+  }
+}
+
+TEST_CASE("shm collectives: a rank asleep in the futex is woken by its peers' calls, not by its time slice") {
+  // Waits sleep after a microsecond of spinning (no yield phase), in slices of 30 s: a peer that
+  // failed to ring the doorbell after publishing would leave a sleeper there for a whole slice,
+  // past this test's budget. Small calls (one handoff, the slot's call number) and staged ones
+  // (the chunk counters) alternate.
+  comm_t::options opts;
+  opts.wait.spin = 1us;
+  opts.wait.spin_oversubscribed = 1us;
+  opts.wait.yield = 0ns;
+  opts.wait.slice = 30s;
+  for (int p : {2, 3}) {
+    run_group(
+        p, "shmwake",
+        [p](int rank, comm_t& comm) {
+          const auto start = ddp::clock::now();
+          constexpr int rounds = 40;
+          for (int round = 0; round < rounds; ++round) {
+            // One rank comes late each round, busy elsewhere; the others go to sleep meanwhile.
+            if (round % p == rank) std::this_thread::sleep_for(3ms);
+            const std::size_t n = round % 2 == 0 ? 2 : std::size_t{1} << 18;
+            std::vector<std::int64_t> data(n, round);
+            data[0] = rank + 1;
+            comm.all_reduce(std::span<std::int64_t>(data), ddp::sum{}, make_desc(static_cast<std::uint64_t>(round) + 1, collective::all_reduce, ddp::dtype::int64, n),
+                            ddp::deadline::after(60s));
+            ddp::test::check(data[0] == p * (p + 1) / 2 && data[n - 1] == std::int64_t{p} * round,
+                             "round " + std::to_string(round) + ": wrong sum " + std::to_string(data[0]) + ", " + std::to_string(data[n - 1]));
+          }
+          const auto took = ddp::clock::now() - start;
+          std::printf("rank %d: %d rounds in %lld ms\n", rank, rounds, static_cast<long long>(took / 1ms));
+          ddp::test::check(took < 20s, "a sleeping rank was not woken: " + std::to_string(rounds) + " rounds took " + std::to_string(took / 1ms) + " ms");
+        },
+        opts);
   }
 }
 

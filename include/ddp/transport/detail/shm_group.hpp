@@ -9,6 +9,9 @@
 // Waiting: spin (cpu pause), then sched_yield, then FUTEX_WAIT in slices on one doorbell word
 // of the group (in rank 0's segment). A waiter registers in `sleepers` before sleeping, and a
 // publisher rings the doorbell only when someone sleeps, so the fast path has no system call.
+// The publisher's side of that handshake (store, then load `sleepers`) needs a store->load
+// fence; where every rank registered for membarrier(2) it is only a compiler barrier and a
+// sleeper runs membarrier_global() after registering instead (see shm_segment.hpp).
 // Between slices the waiter looks at the peers' pidfds (a dead peer is errc::peer_lost within a
 // slice, 10 ms), the group's aborted word and its deadline.
 
@@ -26,8 +29,8 @@
 #include <utility>
 #include <vector>
 
-// Under ThreadSanitizer (which does not model atomic_thread_fence) the publisher/sleeper
-// handshake uses read-modify-writes instead of fences.
+// Under ThreadSanitizer (which models neither atomic_thread_fence nor membarrier) the
+// publisher/sleeper handshake uses read-modify-writes instead of fences.
 #if defined(__SANITIZE_THREAD__)
 #define DDP_SHM_TSAN 1
 #elif defined(__has_feature)
@@ -85,7 +88,9 @@ class shm_group {
     me->pid = ::getpid();
     me->rank = rank;
     me->size = size;
+    me->membarrier = DDP_SHM_TSAN ? 0 : register_membarrier() ? 1 : 0;
     me->magic = identity::magic_value;
+    asymmetric_ = me->membarrier == 1;
     const std::string host = hostname();
     st.set_string(keys + "ready/" + std::to_string(rank), std::to_string(::getpid()) + " " + host);
 
@@ -111,6 +116,7 @@ class shm_group {
       }
       pids_[static_cast<std::size_t>(r)] = id->pid;
       watch_.add(r, id->pid);
+      if (id->membarrier != 1) asymmetric_ = false;  // every rank decides the same, from the same flags
     }
     job_ = reinterpret_cast<job_line*>(segments_[0].data() + cache_line);
     st.set_string(keys + "mapped/" + std::to_string(rank), "1");
@@ -141,10 +147,13 @@ class shm_group {
     // the same store->load order (and TSan can check it).
     if (job_->sleepers.fetch_add(0, std::memory_order_seq_cst) != 0) ring();
 #else
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (asymmetric_) std::atomic_signal_fence(std::memory_order_seq_cst);  // a sleeper's membarrier orders the CPU
+    else std::atomic_thread_fence(std::memory_order_seq_cst);
     if (job_->sleepers.load(std::memory_order_relaxed) != 0) ring();
 #endif
   }
+  /// Whether publishers skip the CPU fence (every rank registered for membarrier).
+  bool asymmetric_fence() const noexcept { return asymmetric_; }
 
   bool aborted() const noexcept { return job_->aborted.load(std::memory_order_relaxed) != 0; }
 
@@ -235,13 +244,18 @@ class shm_group {
     }
     for (;;) {
       job_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      // A publisher that skipped its fence may hold its last store in its store buffer and have
+      // read `sleepers` as 0: the membarrier drains it before ready() below looks. Should the
+      // kernel refuse now, short slices bound what a missed ring can cost.
+      bool bounded_slice = false;
 #if !DDP_SHM_TSAN
       std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (asymmetric_) bounded_slice = !membarrier_global();
 #endif
       const std::uint32_t bell = job_->doorbell.load(std::memory_order_seq_cst);
       bool done = ready();
       if (!done && !aborted()) {
-        auto slice = policy_.slice;
+        auto slice = bounded_slice ? std::min(policy_.slice, std::chrono::nanoseconds(std::chrono::milliseconds(1))) : policy_.slice;
         if (!dl.is_never()) {
           const auto left = dl.time_point() - clock::now();
           if (left < slice) slice = std::max(std::chrono::nanoseconds(left), std::chrono::nanoseconds(0));
@@ -257,11 +271,12 @@ class shm_group {
 
  private:
   struct identity {
-    static constexpr std::uint64_t magic_value = 0x6464702d73686d31;  // "ddp-shm1"
+    static constexpr std::uint64_t magic_value = 0x6464702d73686d32;  // "ddp-shm2"
     std::uint64_t magic;
     std::int32_t pid;
     std::int32_t rank;
     std::int32_t size;
+    std::int32_t membarrier;  // 1: this rank's process is registered for membarrier_global()
   };
   struct alignas(cache_line) job_line {
     std::atomic<std::uint32_t> doorbell;
@@ -324,6 +339,7 @@ class shm_group {
   shm_wait_policy policy_;
   std::size_t payload_bytes_;
   bool oversubscribed_ = false;
+  bool asymmetric_ = false;  // see notify()
   std::string base_;
   std::vector<shm_segment> segments_;
   std::vector<pid_t> pids_;

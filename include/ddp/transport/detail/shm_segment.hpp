@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <linux/membarrier.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -63,6 +64,30 @@ inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
 }
 inline void futex_wake_all(std::atomic<std::uint32_t>* word) noexcept {
   ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// An asymmetric fence (membarrier(2)): the frequent side of a store->load handshake between
+// processes needs only a compiler barrier, and the rare side pays for both with
+// membarrier_global(), which runs a full memory barrier on every CPU that is running a
+// registered process. A fence on the frequent side cost 10-35 ns of a 110 ns small collective.
+//
+// Registers this process (its threads, present and future) for membarrier_global(); false where
+// the kernel or a seccomp filter refuses. Per process, and not inherited by fork: call it in the
+// process that will take part.
+inline bool register_membarrier() noexcept {
+#if defined(SYS_membarrier)
+  return ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) == 0;
+#else
+  return false;
+#endif
+}
+/// A full memory barrier on every CPU running a registered process; false if the kernel refused.
+inline bool membarrier_global() noexcept {
+#if defined(SYS_membarrier)
+  return ::syscall(SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) == 0;
+#else
+  return false;
+#endif
 }
 
 /// A segment name: '/' + a portable file name (letters, digits, '.', '_', '-'), at most 200 characters.
