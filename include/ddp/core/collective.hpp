@@ -86,14 +86,21 @@ struct wire_header {
   /// place, without a copy through the stack.
   static void encode_to(const collective_desc& d, unsigned char* out) noexcept {
     put32(out + 0, magic_value);
-    put32(out + 4, static_cast<std::uint32_t>(d.op) | static_cast<std::uint32_t>(d.type) << 8 |
-                       static_cast<std::uint32_t>(d.reduction) << 16);
+    put32(out + 4, static_cast<std::uint32_t>(d.op) | static_cast<std::uint32_t>(d.type) << 8 | static_cast<std::uint32_t>(d.reduction) << 16);
     put64(out + 8, d.seq);
     put64(out + 16, d.count);
     put32(out + 24, static_cast<std::uint32_t>(d.root));
     put32(out + 28, 0);
   }
   bool has_magic() const noexcept { return get32(bytes + 0) == magic_value; }
+  /// Whether the 32 bytes at p are exactly the wire form of d: four word compares, no decoding
+  /// and no copy (the check of a peer's header on the latency path of a small collective).
+  static bool matches(const unsigned char* p, const collective_desc& d) noexcept {
+    const std::uint64_t kinds = static_cast<std::uint64_t>(d.op) | static_cast<std::uint64_t>(d.type) << 8 |
+                                static_cast<std::uint64_t>(d.reduction) << 16;
+    return ((get64(p) ^ (magic_value | kinds << 32)) | (get64(p + 8) ^ d.seq) | (get64(p + 16) ^ d.count) |
+            (get64(p + 24) ^ static_cast<std::uint32_t>(d.root))) == 0;
+  }
   collective_desc decode() const noexcept {
     collective_desc d;
     d.op = static_cast<collective>(bytes[4]);
