@@ -52,6 +52,7 @@
 #include "ddp/detail/cheap_clocks.hpp"
 #include "ddp/detail/function_ref.hpp"
 #include "ddp/detail/pg_backend_traits.hpp"
+#include "ddp/detail/pg_gate.hpp"
 #include "ddp/detail/pg_range_calls.hpp"
 #include "ddp/detail/pg_watchdog.hpp"
 #include "ddp/work.hpp"
@@ -131,10 +132,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     live().watchdog.set_idle_wait(t);
   }
   /// The sequence number the next collective call will get.
-  std::uint64_t next_sequence() const {
-    std::lock_guard lock(live().mutex);
-    return live().seq;
-  }
+  std::uint64_t next_sequence() const { return live().gate.next_sequence(); }
   group_stats stats() const {
     group_stats out;
     for (std::size_t i = 0; i < out.by_op.size(); ++i) out.by_op[i] = live().counters[i].snapshot();
@@ -393,11 +391,10 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     mutable std::mutex mutex;
     std::condition_variable changed;
     std::deque<task> queue;
-    bool busy = false;  // a collective is executing (on the communication or a calling thread)
+    detail::pg_gate gate;  // one collective at a time, the sequence numbers (see pg_gate.hpp)
     bool stopping = false;
     std::thread comm;
-    std::uint64_t seq = 0;
-    std::uint64_t subgroups = 0;
+    std::uint64_t subgroups = 0;  // while holding the gate
     std::optional<error> failure;  // the first error; the group is broken from then on
     std::atomic<bool> is_broken{false};
 
@@ -407,22 +404,15 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     detail::pg_watchdog watchdog;  // last: stopped first, while the backend still exists
   };
 
-  // Holds `busy` for the calling thread once the queue is drained.
+  // Holds the gate for the calling thread once the queue is drained (no sequence number).
   struct exclusive_section {
     explicit exclusive_section(state& st) : s(st) {
       std::unique_lock lock(s.mutex);
-      s.changed.wait(lock, [&] { return s.queue.empty() && !s.busy; });
-      s.busy = true;
+      s.gate.enter_waiting(lock, s.changed, false, [] {});
     }
     exclusive_section(const exclusive_section&) = delete;
     exclusive_section& operator=(const exclusive_section&) = delete;
-    ~exclusive_section() {
-      {
-        std::lock_guard lock(s.mutex);
-        s.busy = false;
-      }
-      s.changed.notify_all();
-    }
+    ~exclusive_section() { s.gate.leave(s.mutex, s.changed); }
     state& s;
   };
 
@@ -649,26 +639,27 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   // --- execution ---------------------------------------------------------------------------
   error fail_fast(const collective_desc& desc) const { return fail_fast_of(*s_, desc); }
 
-  // A blocking call: after the queued collectives, on this thread.
+  // A blocking call: after the queued collectives, on this thread. On an idle group (nothing
+  // queued, nobody waiting, not broken) it takes the gate without the mutex.
   void run(collective_desc desc, std::size_t bytes, runner_ref fn) {
     state& s = *s_;
-    {
+    std::optional<std::uint64_t> seq;
+    if (!s.is_broken.load(std::memory_order_acquire)) seq = s.gate.try_enter();
+    if (!seq) {
       std::unique_lock lock(s.mutex);
-      s.changed.wait(lock, [&] { return s.queue.empty() && !s.busy; });
-      if (s.failure) throw fail_fast(desc);
-      desc.seq = s.seq++;
-      s.busy = true;
+      seq = s.gate.enter_waiting(lock, s.changed, true, [&] {
+        if (s.failure) throw fail_fast(desc);
+      });
     }
     struct release {
       state& s;
-      ~release() {
-        {
-          std::lock_guard lock(s.mutex);
-          s.busy = false;
-        }
-        s.changed.notify_all();
-      }
+      ~release() { s.gate.leave(s.mutex, s.changed); }
     } released{s};
+    if (s.is_broken.load(std::memory_order_acquire)) {  // broke while this call took the gate
+      std::lock_guard lock(s.mutex);
+      throw fail_fast(desc);
+    }
+    desc.seq = *seq;
     execute_on(s, desc, bytes, fn, nullptr);
   }
 
@@ -685,7 +676,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     {
       std::lock_guard lock(s.mutex);
       if (s.failure) throw fail_fast(desc);
-      desc.seq = s.seq++;
+      desc.seq = s.gate.sequence_for_queued(s.queue.empty());
       ws->desc = desc;
       s.queue.push_back(task{desc, bytes, run, std::move(call), ws});
       if (!s.comm.joinable()) s.comm = std::thread([st = s_.get()] { communication_loop(*st); });
@@ -699,11 +690,15 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   static void communication_loop(state& s) {
     std::unique_lock lock(s.mutex);
     while (true) {
-      s.changed.wait(lock, [&] { return (!s.queue.empty() && !s.busy) || (s.stopping && s.queue.empty()); });
-      if (s.queue.empty()) return;
+      if (s.queue.empty()) {
+        if (s.stopping) return;
+        s.changed.wait(lock);  // for a submit (or the destructor): each notifies
+        continue;
+      }
+      if (!s.gate.enter_queued(lock, s.changed)) continue;  // a blocking call or section held it
       task t = std::move(s.queue.front());
       s.queue.pop_front();
-      s.busy = true;
+      if (s.queue.empty()) s.gate.queue_drained();
       const bool broken_before = s.failure.has_value();
       lock.unlock();
       std::exception_ptr failure;
@@ -715,9 +710,8 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
       }
       t.call.reset();  // drop captured buffers before the waiter resumes
       t.work->complete(failure);
+      s.gate.leave(s.mutex, s.changed);
       lock.lock();
-      s.busy = false;
-      s.changed.notify_all();
     }
   }
 

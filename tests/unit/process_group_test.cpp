@@ -453,6 +453,44 @@ TEST_CASE("process_group: 100 async all_reduces run in call order, then a blocki
   }
 }
 
+TEST_CASE("process_group: blocking calls from several threads, queued calls and sub-group creation never overlap, in sequence order") {
+  // One rank, six threads: four make blocking calls, one queues calls and then makes a blocking
+  // call that must run after them, one creates sub-groups (an exclusive section). The backend
+  // appends each call to `seen` unsynchronized: overlapping calls would race (ThreadSanitizer
+  // runs this) and break the order of the sequence numbers.
+  auto world = std::make_shared<local_world>(1);
+  auto g = make_group<true>(world, 0);
+  constexpr int blocking_threads = 4, calls = 300, queued_rounds = 50;
+  run_threads(blocking_threads + 2, [&](int t) {
+    if (t < blocking_threads) {
+      std::vector<std::int64_t> v(3, t);
+      for (int k = 0; k < calls; ++k) {
+        g.all_reduce(v);
+        check(v[0] == t && v[2] == t, "a world of one leaves the data as it was");
+      }
+    } else if (t == blocking_threads) {
+      for (int k = 0; k < queued_rounds; ++k) {
+        std::vector<std::int64_t> a(2, k), b(2, k);
+        auto first = g.all_reduce_async(a);
+        auto second = g.all_reduce_async(b);
+        std::vector<std::int64_t> c(1, k);
+        g.all_reduce(c);
+        check(first.is_completed() && second.is_completed(), "a blocking call ran before the calls its thread had queued");
+        check(second.desc().seq > first.desc().seq, "queued calls sequenced in order");
+      }
+    } else {
+      for (int k = 0; k < 20; ++k) check(g.new_group({0}).valid(), "sub-group of rank 0");
+    }
+  });
+  const auto& seen = g.backend().seen;
+  REQUIRE(seen.size() == static_cast<std::size_t>(blocking_threads * calls + 3 * queued_rounds));
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    INFO("call " << i);
+    REQUIRE(seen[i].seq == i);
+  }
+  CHECK(g.next_sequence() == seen.size());
+}
+
 TEST_CASE("process_group: wait(deadline) is false while a peer is missing, then true") {
   auto world = std::make_shared<local_world>(2);
   std::mutex m;
