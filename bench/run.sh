@@ -5,11 +5,13 @@
 # so machine noise hits all alike; the tables use medians of REPS (>= 5) repetitions.
 # Writes bench/results/allreduce.csv, allreduce_raw.csv, limits.csv, PNG plots and a
 # ratio table (bench/results/allreduce.md). Bounded to about 15 minutes on 2 cores.
+# RESULTS_DIR=dir writes there instead (a partial sweep, e.g. MAX_BYTES=4096 NPS=2, then
+# leaves the recorded run in bench/results/ alone).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 build=${BUILD_DIR:-$root/build/bench}
-results=$here/results
+results=${RESULTS_DIR:-$here/results}
 reps=${REPS:-5}
 max_bytes=${MAX_BYTES:-67108864}
 nps=${NPS:-"2 4"}
