@@ -3,6 +3,7 @@
 // computed here in float64 (floats, with a tolerance) or exactly (integers), from inputs that are a
 // function of (rank, index). All-reduce results are also compared bit for bit across ranks.
 #include <dirent.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -11,6 +12,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -540,25 +543,51 @@ TEST_CASE("shm collectives: send/recv around the ring and barriers") {
   }
 }
 
+// Whether process pid is asleep (state S in /proc/<pid>/stat: blocked, as in a futex wait).
+bool asleep(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  const std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto name_end = stat.rfind(')');  // the state follows the parenthesized command name
+  return name_end != std::string::npos && name_end + 2 < stat.size() && stat[name_end + 2] == 'S';
+}
+
 TEST_CASE("shm collectives: a rank asleep in the futex is woken by its peers' calls, not by its time slice") {
   // Waits sleep after a microsecond of spinning (no yield phase), in slices of 30 s: a peer that
   // failed to ring the doorbell after publishing would leave a sleeper there for a whole slice,
-  // past this test's budget. Small calls (one handoff, the slot's call number) and staged ones
-  // (the chunk counters) alternate.
+  // past this test's budget. Each round one rank calls late: only once every other rank is
+  // asleep in its wait (seen in /proc). Small calls (one handoff, the slot's call number) and
+  // staged ones (the chunk counters) alternate.
   comm_t::options opts;
   opts.wait.spin = 1us;
   opts.wait.spin_oversubscribed = 1us;
   opts.wait.yield = 0ns;
   opts.wait.slice = 30s;
   for (int p : {2, 3}) {
+    const std::string pids_path = "/tmp/ddp-shmwake-pids-" + std::to_string(::getpid()) + "-" + std::to_string(p) + ".store";
+    ::unlink(pids_path.c_str());
     run_group(
         p, "shmwake",
-        [p](int rank, comm_t& comm) {
+        [p, &pids_path](int rank, comm_t& comm) {
+          ddp::store::file_store pids(pids_path);
+          pids.set_string("pid" + std::to_string(rank), std::to_string(::getpid()));
+          std::vector<pid_t> pid_of(static_cast<std::size_t>(p));
+          for (int r = 0; r < p; ++r) {
+            pids.wait({"pid" + std::to_string(r)}, 30s);
+            pid_of[static_cast<std::size_t>(r)] = static_cast<pid_t>(std::stol(pids.get_string("pid" + std::to_string(r))));
+          }
           const auto start = ddp::clock::now();
           constexpr int rounds = 40;
           for (int round = 0; round < rounds; ++round) {
-            // One rank comes late each round, busy elsewhere; the others go to sleep meanwhile.
-            if (round % p == rank) std::this_thread::sleep_for(3ms);
+            if (round % p == rank) {
+              for (int r = 0; r < p; ++r) {
+                if (r == rank) continue;
+                const auto until = ddp::deadline::after(10s);
+                while (!asleep(pid_of[static_cast<std::size_t>(r)])) {
+                  ddp::test::check(!until.expired(), "round " + std::to_string(round) + ": rank " + std::to_string(r) + " did not go to sleep within 10 s");
+                  std::this_thread::yield();
+                }
+              }
+            }
             const std::size_t n = round % 2 == 0 ? 2 : std::size_t{1} << 18;
             std::vector<std::int64_t> data(n, round);
             data[0] = rank + 1;
@@ -572,6 +601,7 @@ TEST_CASE("shm collectives: a rank asleep in the futex is woken by its peers' ca
           ddp::test::check(took < 20s, "a sleeping rank was not woken: " + std::to_string(rounds) + " rounds took " + std::to_string(took / 1ms) + " ms");
         },
         opts);
+    ::unlink(pids_path.c_str());
   }
 }
 
