@@ -86,7 +86,7 @@ struct wire_header {
   /// place, without a copy through the stack.
   static void encode_to(const collective_desc& d, unsigned char* out) noexcept {
     put32(out + 0, magic_value);
-    put32(out + 4, static_cast<std::uint32_t>(d.op) | static_cast<std::uint32_t>(d.type) << 8 | static_cast<std::uint32_t>(d.reduction) << 16);
+    put32(out + 4, kinds_of(d));
     put64(out + 8, d.seq);
     put64(out + 16, d.count);
     put32(out + 24, static_cast<std::uint32_t>(d.root));
@@ -96,9 +96,7 @@ struct wire_header {
   /// Whether the 32 bytes at p are exactly the wire form of d: four word compares, no decoding
   /// and no copy (the check of a peer's header on the latency path of a small collective).
   static bool matches(const unsigned char* p, const collective_desc& d) noexcept {
-    const std::uint64_t kinds = static_cast<std::uint64_t>(d.op) | static_cast<std::uint64_t>(d.type) << 8 |
-                                static_cast<std::uint64_t>(d.reduction) << 16;
-    return ((get64(p) ^ (magic_value | kinds << 32)) | (get64(p + 8) ^ d.seq) | (get64(p + 16) ^ d.count) |
+    return ((get64(p) ^ (magic_value | std::uint64_t{kinds_of(d)} << 32)) | (get64(p + 8) ^ d.seq) | (get64(p + 16) ^ d.count) |
             (get64(p + 24) ^ static_cast<std::uint32_t>(d.root))) == 0;
   }
   collective_desc decode() const noexcept {
@@ -113,6 +111,10 @@ struct wire_header {
   }
 
  private:
+  // Bytes 4-7: op, dtype, reduction, 0.
+  static std::uint32_t kinds_of(const collective_desc& d) noexcept {
+    return static_cast<std::uint32_t>(d.op) | static_cast<std::uint32_t>(d.type) << 8 | static_cast<std::uint32_t>(d.reduction) << 16;
+  }
   // Whole words on a little-endian host (one store or load each), bytes elsewhere.
   template <class U>
   static void put(unsigned char* p, U v) noexcept {

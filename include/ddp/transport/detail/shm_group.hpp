@@ -152,8 +152,6 @@ class shm_group {
     if (job_->sleepers.load(std::memory_order_relaxed) != 0) ring();
 #endif
   }
-  /// Whether publishers skip the CPU fence (every rank registered for membarrier).
-  bool asymmetric_fence() const noexcept { return asymmetric_; }
 
   bool aborted() const noexcept { return job_->aborted.load(std::memory_order_relaxed) != 0; }
 

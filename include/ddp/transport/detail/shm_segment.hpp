@@ -70,25 +70,20 @@ inline void futex_wake_all(std::atomic<std::uint32_t>* word) noexcept {
 // processes needs only a compiler barrier, and the rare side pays for both with
 // membarrier_global(), which runs a full memory barrier on every CPU that is running a
 // registered process. A fence on the frequent side cost 10-35 ns of a 110 ns small collective.
-//
-// Registers this process (its threads, present and future) for membarrier_global(); false where
-// the kernel or a seccomp filter refuses. Per process, and not inherited by fork: call it in the
-// process that will take part.
-inline bool register_membarrier() noexcept {
+// Each call is false where the kernel or a seccomp filter refuses.
+inline bool membarrier_command(int command) noexcept {
 #if defined(SYS_membarrier)
-  return ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) == 0;
+  return ::syscall(SYS_membarrier, command, 0, 0) == 0;
 #else
+  (void)command;
   return false;
 #endif
 }
-/// A full memory barrier on every CPU running a registered process; false if the kernel refused.
-inline bool membarrier_global() noexcept {
-#if defined(SYS_membarrier)
-  return ::syscall(SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) == 0;
-#else
-  return false;
-#endif
-}
+/// Registers this process (its threads, present and future) for membarrier_global(). Per
+/// process, and not inherited by fork: call it in the process that will take part.
+inline bool register_membarrier() noexcept { return membarrier_command(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED); }
+/// A full memory barrier on every CPU running a registered process.
+inline bool membarrier_global() noexcept { return membarrier_command(MEMBARRIER_CMD_GLOBAL_EXPEDITED); }
 
 /// A segment name: '/' + a portable file name (letters, digits, '.', '_', '-'), at most 200 characters.
 inline std::string segment_name(std::string_view prefix, std::string_view job, std::string_view what) {
