@@ -15,7 +15,6 @@
 #include <iterator>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <type_traits>
@@ -41,49 +40,52 @@ struct shared_allocation {
 
 /// The live allocations of one group in this process, so a collective can tell whether a span
 /// lies inside one (and where the peers' copies are). It holds weak references: freeing a
-/// buffer unmaps it once no collective is using it.
+/// buffer unmaps it once no collective is using it. Used by one communicator, whose calls (and
+/// allocations) run one at a time: no lock.
 class shared_registry {
  public:
   void add(const std::shared_ptr<shared_allocation>& a) {
-    std::lock_guard lock(mutex_);
-    prune_locked();
+    prune();
     by_id_[a->id] = a;
-    by_start_[a->own()] = a;
+    by_start_[a->own()] = entry{a, a.get(), a->bytes};
   }
   std::shared_ptr<shared_allocation> find(std::uint64_t id) const {
-    std::lock_guard lock(mutex_);
     const auto it = by_id_.find(id);
     return it == by_id_.end() ? nullptr : it->second.lock();
   }
   struct location {
-    std::shared_ptr<shared_allocation> allocation;
+    const shared_allocation* allocation;  // alive as long as the memory at the span is
     std::size_t offset;
   };
   /// The allocation whose own segment holds [p, p + bytes), if any: the one that starts last at
   /// or before p (a collective looks this up on every call; a DDP model has one per bucket).
   /// Entries never overlap: add() drops the freed ones before a new mapping can reuse their
-  /// addresses, so no live segment can hold p when that one does not.
-  std::optional<location> find_span(const void* p, std::size_t bytes) const {
+  /// addresses, so no live segment can hold p when that one does not. No reference is taken (a
+  /// collective's own span must stay valid until the call returns, so its allocation does);
+  /// the entry's address range is kept beside the weak reference, so a freed entry is never
+  /// dereferenced.
+  std::optional<location> find_span(const void* p, std::size_t bytes) const noexcept {
     const auto* b = static_cast<const std::byte*>(p);
-    std::lock_guard lock(mutex_);
     auto it = by_start_.upper_bound(b);
     if (it == by_start_.begin()) return std::nullopt;
-    auto a = std::prev(it)->second.lock();
-    if (!a) return std::nullopt;
-    const std::byte* own = a->own();
-    if (b >= own && b + bytes <= own + a->bytes) return location{std::move(a), static_cast<std::size_t>(b - own)};
-    return std::nullopt;
+    --it;
+    const entry& e = it->second;
+    if (b + bytes > it->first + e.bytes || e.allocation.expired()) return std::nullopt;
+    return location{e.raw, static_cast<std::size_t>(b - it->first)};
   }
 
  private:
-  void prune_locked() {
-    const auto freed = [](const auto& entry) { return entry.second.expired(); };
-    std::erase_if(by_id_, freed);
-    std::erase_if(by_start_, freed);
+  struct entry {
+    std::weak_ptr<shared_allocation> allocation;
+    const shared_allocation* raw;  // only while `allocation` has not expired
+    std::size_t bytes;
+  };
+  void prune() {
+    std::erase_if(by_id_, [](const auto& e) { return e.second.expired(); });
+    std::erase_if(by_start_, [](const auto& e) { return e.second.allocation.expired(); });
   }
-  mutable std::mutex mutex_;
   std::map<std::uint64_t, std::weak_ptr<shared_allocation>> by_id_;
-  std::map<const std::byte*, std::weak_ptr<shared_allocation>> by_start_;  // the same, by the start of this rank's segment
+  std::map<const std::byte*, entry> by_start_;  // the same, by the start of this rank's segment
 };
 
 }  // namespace detail

@@ -3,6 +3,7 @@
 // computed here in float64 (floats, with a tolerance) or exactly (integers), from inputs that are a
 // function of (rank, index). All-reduce results are also compared bit for bit across ranks.
 #include <dirent.h>
+#include <sys/mman.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -388,6 +389,28 @@ TEST_CASE("shm collectives: a peer passing memory of a shared buffer this rank h
         ddp::test::check(e.code() == ddp::errc::peer_lost || e.code() == ddp::errc::invalid_argument, "rank 1: wrong code: " + what);
       }
     }
+  });
+}
+
+TEST_CASE("shm collectives: ordinary memory mapped where a freed shared buffer was is ordinary memory") {
+  // The registry keeps a freed buffer's entry until the next allocation; a lookup that trusted it
+  // would read the peers' unmapped copies (and their already-freed bookkeeping) for this span.
+  run_group(2, "shmreuse", [](int rank, comm_t& comm) {
+    const std::size_t n = 5000;  // beyond the slots: the zero-copy path, were the span taken as shared
+    void* at = nullptr;
+    std::size_t bytes = 0;
+    {
+      auto freed = comm.allocate<double>(n, ddp::deadline::after(30s));
+      at = freed.data();
+      bytes = (freed.size_bytes() + 4095) / 4096 * 4096;
+    }
+    void* mem = ::mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    ddp::test::check(mem == at, "rank " + std::to_string(rank) + ": could not map ordinary memory where the freed buffer was");
+    std::span<double> data(static_cast<double*>(mem), n);
+    for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i);
+    comm.all_reduce(data, ddp::sum{}, make_desc(1, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(20s));
+    for (std::size_t i = 0; i < n; ++i) expect_equal(data[i], input<double>(0, i) + input<double>(1, i), "all_reduce over reused addresses", i);
+    ::munmap(mem, bytes);
   });
 }
 

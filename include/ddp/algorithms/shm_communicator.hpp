@@ -363,12 +363,16 @@ class shm_communicator {
     if (failed_) {
       throw error(failed_->code(), "this communicator failed in an earlier call (" + failed_->message() + ") and cannot be used", d.context(rank_));
     }
-    // The shared allocations this call used stay mapped until it returns, however the user's
-    // other threads free buffers meanwhile; then they are let go (capacity kept: no allocation).
+    // Allocations this call reads that are not its own buffer's (a peer passed memory of another
+    // buffer) stay mapped until it returns, however the user's other threads free buffers
+    // meanwhile; then they are let go (capacity kept: no allocation).
     struct release_held {
-      std::vector<std::shared_ptr<ddp::detail::shared_allocation>>& held;
-      ~release_held() { held.clear(); }
-    } released{held_};
+      shm_communicator& c;
+      ~release_held() {
+        c.own_allocation_ = nullptr;
+        if (!c.held_.empty()) c.held_.clear();
+      }
+    } released{*this};
     try {
       body();
     } catch (const error& e) {
@@ -490,7 +494,8 @@ class shm_communicator {
     if (wait_all) wait_counter(shm_direct::synced, s, -1, d, dl, "finish reading the shared buffers");
   }
 
-  // Where this rank's buffer is; a shared one is held for the rest of the call (see held_).
+  // Where this rank's buffer is. Its allocation, when shared, is remembered for the call
+  // (own_allocation_) without a reference: the caller keeps its buffer alive until the call returns.
   shm_direct::buffer_descriptor describe(const void* p, std::size_t bytes, bool unsafe_overlap) {
     shm_direct::buffer_descriptor b;
     if (unsafe_overlap) return b;
@@ -498,7 +503,7 @@ class shm_communicator {
       b.kind = 1;
       b.allocation = where->allocation->id;
       b.offset = where->offset;
-      held_.push_back(std::move(where->allocation));
+      own_allocation_ = where->allocation;
     }
     return b;
   }
@@ -523,9 +528,9 @@ class shm_communicator {
   std::byte* resolve(int r, std::uint64_t c, std::size_t bytes) {
     const auto b = descriptor_of(r, c);
     if (b.kind != 1) return nullptr;
-    const ddp::detail::shared_allocation* hold = nullptr;
+    const ddp::detail::shared_allocation* hold = own_allocation_ != nullptr && own_allocation_->id == b.allocation ? own_allocation_ : nullptr;
     for (const auto& a : held_)
-      if (a->id == b.allocation) hold = a.get();
+      if (hold == nullptr && a->id == b.allocation) hold = a.get();
     if (hold == nullptr) {
       if (auto found = registry_->find(b.allocation)) {
         hold = found.get();
@@ -772,7 +777,8 @@ class shm_communicator {
   mutable ddp::detail::shm::shm_group group_;
   shm_transport p2p_;
   std::shared_ptr<ddp::detail::shared_registry> registry_;
-  std::vector<std::shared_ptr<ddp::detail::shared_allocation>> held_;  // by the running call (describe, resolve)
+  const ddp::detail::shared_allocation* own_allocation_ = nullptr;     // of this rank's buffer in the running call (describe)
+  std::vector<std::shared_ptr<ddp::detail::shared_allocation>> held_;  // other allocations the running call reads (resolve)
   std::uint64_t calls_ = 0;        // collective calls (slot numbers), the same on every rank
   std::uint64_t chunks_ = 0;       // staged chunks so far
   std::uint64_t syncs_ = 0;        // zero-copy end-of-call handoffs so far
