@@ -412,6 +412,7 @@ class shm_communicator {
     slot* s = slot_of(rank_, c);
     static_assert(offsetof(slot, descriptor) == offsetof(slot, header) + wire_header::size);
     wire_header::encode_to(d, s->header);
+    own_descriptor_ = descriptor != nullptr ? *descriptor : shm_direct::buffer_descriptor{};
     if (descriptor != nullptr) std::memcpy(s->descriptor, descriptor, sizeof *descriptor);
     else if (bytes != 0 && bytes <= slot::inline_bytes) std::memcpy(s->descriptor, payload, bytes);
     if (bytes > slot::inline_bytes) std::memcpy(s->payload(bytes), payload, bytes);
@@ -529,8 +530,12 @@ class shm_communicator {
     enter(c, d, dl);
   }
 
-  // Rank r's buffer descriptor of call c (in the header line).
+  // Rank r's buffer descriptor of call c (in the header line). This rank's own is the copy kept
+  // by publish(), not its slot: reading back a line just written, while its stores still wait
+  // for the line to come back from the peers that read it last, stalls on store forwarding
+  // (~0.1 us a zero-copy call, p = 2).
   shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
+    if (r == rank_) return own_descriptor_;
     shm_direct::buffer_descriptor b;
     std::memcpy(&b, slot_of(r, c)->descriptor, sizeof b);
     return b;
@@ -792,6 +797,7 @@ class shm_communicator {
   mutable ddp::detail::shm::shm_group group_;
   shm_transport p2p_;
   std::shared_ptr<ddp::detail::shared_registry> registry_;
+  shm_direct::buffer_descriptor own_descriptor_;                       // in this rank's latest published slot
   const ddp::detail::shared_allocation* own_allocation_ = nullptr;     // of this rank's buffer in the running call (describe)
   std::vector<std::shared_ptr<ddp::detail::shared_allocation>> held_;  // other allocations the running call reads (resolve)
   std::uint64_t calls_ = 0;        // collective calls (slot numbers), the same on every rank
