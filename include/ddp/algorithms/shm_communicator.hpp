@@ -8,7 +8,7 @@
 // describing both calls). Then, by size and buffer kind:
 //  - small (a rank's payload <= options::small_bytes, 8 KiB): the data came with the header;
 //    each rank reduces / copies what it needs from the peers' slots. One flag handoff. From
-//    options::small_zero_copy_bytes (2 KiB) an all-reduce / reduce also says where its buffer is,
+//    options::small_zero_copy_bytes (1 KiB) an all-reduce / reduce also says where its buffer is,
 //    and takes the zero-copy path below when every rank's is shared.
 //  - zero copy (every rank's span lies in a shared_buffer from allocate()): each rank reduces
 //    its 1/p slice reading the peers' buffers in place and writes the result into every
@@ -53,7 +53,7 @@ class shm_communicator {
  public:
   struct options {
     std::size_t small_bytes = 8192;          // largest per-rank payload sent with the header
-    std::size_t small_zero_copy_bytes = 2048;  // small all-reduce / reduce on shared buffers from here: zero copy
+    std::size_t small_zero_copy_bytes = 1024;  // small all-reduce / reduce on shared buffers from here: zero copy
     std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
     int depth = 4;                           // staging chunks per rank (>= 2)
     std::size_t p2p_ring_bytes = 1 << 20;    // send/recv ring per ordered pair
@@ -588,8 +588,9 @@ class shm_communicator {
       if (bytes <= opts_.small_bytes) {
         // Shared buffers of a few KiB: reducing one slice in place, with no copy into the slot,
         // beats folding the whole message from every slot (p = 2: 4 KiB 0.59 against 0.83 us,
-        // 8 KiB 0.72 against 2.0; 2 KiB 0.26 against 0.32-0.37, 1 KiB 0.24 against 0.22, so
-        // from 2 KiB). Each rank says where its buffer is beside the data, and copies
+        // 8 KiB 0.72 against 2.0; since the lookup and the descriptor read-back went: 1 KiB
+        // 0.18 against 0.19, 1.5 KiB 0.19 against 0.26, 512 B 0.17 against 0.12, so from 1 KiB).
+        // Each rank says where its buffer is beside the data, and copies
         // the data only when its buffer is not shared; once the headers are in, every rank sees
         // the same descriptors and makes the same choice: all shared, zero copy; none, the slots
         // of this call; a mix (rare), a second round in which every rank sends its data.
