@@ -533,7 +533,7 @@ class shm_communicator {
   // Rank r's buffer descriptor of call c (in the header line). This rank's own is the copy kept
   // by publish(), not its slot: reading back a line just written, while its stores still wait
   // for the line to come back from the peers that read it last, stalls on store forwarding
-  // (~0.1 us a zero-copy call, p = 2).
+  // (~0.07 us of a 0.30 us zero-copy call at 4 KiB, p = 2).
   shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
     if (r == rank_) return own_descriptor_;
     shm_direct::buffer_descriptor b;
