@@ -137,9 +137,10 @@ void check_totals(ddp::store::store& s, int ops, int swaps) {
 
 // The tcp_store server in a process of its own, started before any client is forked. Forking the
 // clients from a process whose server thread is busy can leave a child blocked for good on a lock
-// that thread held at the fork (the allocator's, under ASan: 3 of 8 clients never started in one
-// CI run). The server process ends when the test kills it, or when this process goes away (its
-// read of the stop pipe returns).
+// that thread held at the fork (likely the allocator's, under ASan: in one CI run 3 of 8 clients
+// printed nothing and were killed at the deadline). The server process ends when the test kills
+// it, or once every holder of the stop pipe's write end (this process and the clients forked
+// from it) has exited: its read of the stop pipe then returns.
 struct server_process {
   pid_t pid = -1;
   std::uint16_t port = 0;
