@@ -629,6 +629,10 @@ class shm_communicator {
     });
   }
 
+  // How this rank walks its slice of a shared buffer it writes: even slices downwards, odd ones
+  // upwards, so that neighbours start at their common boundary and walk apart (shm_direct::walk).
+  shm_direct::walk own_slice_walk() const noexcept { return rank_ % 2 == 0 ? shm_direct::walk::descending : shm_direct::walk::ascending; }
+
   // When every rank's buffer of call c is shared: reduces this rank's slice of every buffer
   // (all_reduce) or of the root's (reduce) in place and returns true.
   bool reduce_zero_copy(std::uint64_t c, std::size_t n, const shm_direct::erased_fold& f, int root,
@@ -643,8 +647,8 @@ class shm_communicator {
       src[j] = bufs[j] + lo * es;
       dst[j] = bufs[j] + lo * es;
     }
-    if (root < 0) f(src.data(), size_, dst.data(), size_, hi - lo);
-    else f(src.data(), size_, dst.data() + root, 1, hi - lo);
+    if (root < 0) f(src.data(), size_, dst.data(), size_, hi - lo, own_slice_walk());
+    else f(src.data(), size_, dst.data() + root, 1, hi - lo, own_slice_walk());
     sync_all(d, dl, true);
     return true;
   }
@@ -704,7 +708,7 @@ class shm_communicator {
       // The own slice goes to staging (for the peers) and straight into the result.
       const bool result_here = root < 0 || root == rank_;
       std::byte* dst[2] = {stage(rank_, k) + lo * es, data + (k * m + lo) * es};
-      f(src.data(), size_, dst, result_here ? 2 : 1, hi - lo);
+      f(src.data(), size_, dst, result_here ? 2 : 1, hi - lo, own_slice_walk());
       set(shm_direct::reduced, g + 1);
       if (k + 1 < chunks) copy_in(k + 1);
       if (result_here) {
