@@ -581,9 +581,11 @@ class shm_communicator {
   // in 64 KiB took ~7 us of a 10 us all-reduce, against 1.2 us for a copy within one core).
   // Streaming stores skip that: 16-128 KiB all-reduces took 0.74-0.91 of the time, and 0.26-0.40
   // while the two vCPUs of the VM measured were placed far apart; from 256 KiB the peers'
-  // copies are mostly gone and ordinary stores won (streaming 1.3-1.6x slower).
+  // copies are mostly gone and ordinary stores won (streaming 1.3-1.6x slower). With more ranks
+  // than CPUs a reader often ran on this very core, whose cache ordinary stores hit (p = 4 on 2
+  // CPUs, streaming: 16-128 KiB 1.04-1.26x slower).
   void copy_to_staging(void* dst, const void* src, std::size_t bytes, std::size_t chunk) const noexcept {
-    if (chunk <= opts_.streaming_copy_bytes) ddp::detail::streaming_copy(dst, src, bytes);
+    if (chunk <= opts_.streaming_copy_bytes && !group_.oversubscribed()) ddp::detail::streaming_copy(dst, src, bytes);
     else std::memcpy(dst, src, bytes);
   }
 
