@@ -1,11 +1,13 @@
 // The shared-memory reduction kernel (shm_direct::erased_fold), both walks, against a float64
-// reference computed here: every source count, one to three destinations (the first two aliasing
-// the first two sources, as the zero-copy all-reduce calls it), lengths around the kernel's block
-// and cache-line boundaries, and guard elements on both sides that must stay untouched.
+// reference computed here: every source count, one to three destinations (each aliasing the
+// source of its index, where there is one, as the zero-copy all-reduce calls it), lengths around
+// the kernel's block and cache-line boundaries, and guard elements on both sides that must stay
+// untouched.
 #include <ddp/algorithms/shm_direct.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -38,7 +40,7 @@ double reference(int p, std::size_t i, reduce_kind kind) {
 
 template <class E>
 void check_fold(int p, int ndst, std::size_t n, shm_direct::walk direction, reduce_kind kind) {
-  // Array a holds guard + n + guard elements; sources 0 and 1 double as destinations 0 and 1.
+  // Array a holds guard + n + guard elements; source d doubles as destination d.
   const int arrays = std::max(p, ndst);
   std::vector<std::vector<E>> store(static_cast<std::size_t>(arrays), std::vector<E>(n + 2 * guard, static_cast<E>(guard_value)));
   for (int a = 0; a < arrays; ++a)
