@@ -373,6 +373,14 @@ TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements (2^16 + 3 under
   }
 }
 
+TEST_CASE("ring: every collective and dtype at 2^20 + 3 elements (2^16 + 3 under sanitizers), p = 8") {
+  try {
+    run_matrix(8, {ddp::test::large_count}, false, "big8");
+  } catch (const std::exception& e) {
+    FAIL(e.what());
+  }
+}
+
 TEST_CASE("ring: the same collectives over a transport without scatter-gather (the generic path), p = 2, 3") {
   for (int p : {2, 3}) {
     INFO("p = " << p);
