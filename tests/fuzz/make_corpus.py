@@ -3,7 +3,7 @@
 
 Run from anywhere: python3 tests/fuzz/make_corpus.py. Seeds cover every opcode, a parked get
 answered by another connection, wait timeouts, the handshake byte by byte, a wrong magic, a wrong
-version and an oversized header.
+version, a client of the same and of another job, and an oversized header.
 """
 import os
 import struct
@@ -35,7 +35,11 @@ def wait(keys, timeout_ms):
     return req(WAIT, b"", body)
 
 
-HELLO = struct.pack("<IHH", 0x53504444, 1, 0)
+def hello(job=b""):
+    return struct.pack("<IHH", 0x53504444, 2, 0) + job + bytes(64 - len(job))
+
+
+HELLO = hello()
 ZERO_PROOF = bytes(32)
 
 
@@ -68,7 +72,9 @@ seeds = {
     "token_wrong_proof": bytes([1]) + recv(0, HELLO + bytes([7]) * 32) + drain(0),
     "token_good": bytes([1 | (1 << 1)]) + recv(0, req(SET, b"k", b"v")) + reopen(0) + drain(0),
     "bad_magic": bytes([0]) + recv(0, b"GET / HTTP/1.1\r\n\r\n"),
-    "bad_version": bytes([0]) + recv(0, struct.pack("<IHH", 0x53504444, 9, 0)),
+    "bad_version": bytes([0]) + recv(0, struct.pack("<IHH", 0x53504444, 9, 0) + bytes(64)),
+    "same_job": bytes([0]) + recv(0, hello(b"fuzz-job") + ZERO_PROOF + req(NUM)) + drain(0),
+    "other_job": bytes([0]) + recv(0, hello(b"another-job") + ZERO_PROOF + req(NUM)) + drain(0),
     "oversized": bytes([1 << 1]) + recv(0, struct.pack("<BII", SET, 1, 64 * 1024 * 1024 + 1) + b"k"),
     "split_frames": bytes([3 << 1]) + recv(0, req(SET, b"key", b"value")[:5]) + recv(1, add(b"c", 1)) +
                     recv(0, req(SET, b"key", b"value")[5:]) + recv(2, get(b"key", 0)) + drain(2),

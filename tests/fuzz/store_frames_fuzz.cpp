@@ -60,7 +60,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool with_token = (data[0] & 1) != 0;
   const int pre_authenticated = (data[0] >> 1) & 3;
   const std::string token = "fuzz-token";
-  ds::server_core core({.token = with_token ? token : std::string(), .handshake_timeout = std::chrono::milliseconds(500), .log = {}});
+  ds::server_core core({.token = with_token ? token : std::string(), .job = "fuzz-job",
+                        .handshake_timeout = std::chrono::milliseconds(500), .log = {}});
   auto now = ddp::clock::time_point{} + std::chrono::hours(1);
 
   std::uint64_t ids[4];
@@ -71,7 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     nonce[0] = static_cast<std::byte>(ids[slot]);
     core.open(ids[slot], "fuzz:" + std::to_string(slot), nonce, now);
     if (slot < pre_authenticated) {
-      auto hello = ds::encode_client_hello();
+      auto hello = ds::encode_client_hello(ds::protocol_version, "fuzz-job");
       std::array<std::byte, ds::proof_bytes> proof{};
       if (with_token) {
         std::vector<std::byte> msg;

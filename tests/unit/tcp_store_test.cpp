@@ -706,4 +706,77 @@ TEST_CASE("tcp_store: one client shared by threads keeps answers matched to thei
   CHECK(c.add("total", 0) == threads * per_thread);
 }
 
+TEST_CASE("tcp_store: a rank of another job is refused at the handshake, naming both jobs and the port") {
+  log_capture log;
+  tcp_store_server server({.port = 0, .token = std::string(), .log = log.sink(), .job = "slurm:41.0"});
+  const std::string where = "127.0.0.1:" + std::to_string(server.port());
+  tcp_store mine({.port = server.port(), .timeout = 5s, .token = std::string(), .job = "slurm:41.0"});
+  mine.set_string("k", "of job 41");
+
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    tcp_store stranger({.port = server.port(), .timeout = 30s, .token = std::string(), .job = "slurm:42.0"});
+    FAIL("a rank of job slurm:42.0 joined the store of job slurm:41.0");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("slurm:41.0") && Catch::Contains("slurm:42.0") && Catch::Contains(where));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 1s);
+  // It wrote nothing, and the server said whom it turned away: the stranger's hello was in the
+  // server's socket before this request, and the server reads every ready socket before answering.
+  CHECK(mine.num_keys() == 1);
+  CHECK(mine.get_string("k") == "of job 41");
+  CHECK(log.contains("refused a rank of job slurm:42.0: this store serves job slurm:41.0"));
+
+  // A client or a server without an identity checks nothing (a store used directly, not by a job).
+  tcp_store anonymous({.port = server.port(), .timeout = 5s, .token = std::string()});
+  CHECK(anonymous.get_string("k") == "of job 41");
+}
+
+TEST_CASE("tcp_store: identities longer than the hello's field stay apart when they differ") {
+  const std::string a = "torchrun:" + std::string(100, 'x') + "-a";
+  const std::string b = "torchrun:" + std::string(100, 'x') + "-b";
+  CHECK(ds::job_field_text(a).size() == ds::job_field_bytes);
+  CHECK(ds::job_field_text(a) != ds::job_field_text(b));
+  tcp_store_server server({.port = 0, .token = std::string(), .job = a});
+  tcp_store same({.port = server.port(), .timeout = 5s, .token = std::string(), .job = a});
+  CHECK_THROWS_AS(tcp_store({.port = server.port(), .timeout = 5s, .token = std::string(), .job = b}), ddp::error);
+}
+
+TEST_CASE("tcp_store: a port held by another job's store says whose it is") {
+  tcp_store_server holder({.port = 0, .token = std::string(), .job = "slurm:41.0"});
+  try {
+    tcp_store_server second({.port = holder.port(), .token = std::string(), .job = "slurm:42.0"});
+    FAIL("a second server bound the same port");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("is already in use by the ddp store of job slurm:41.0 (this rank is of job slurm:42.0)"));
+  }
+  try {
+    tcp_store_server twin({.port = holder.port(), .token = std::string(), .job = "slurm:41.0"});
+    FAIL("a second server bound the same port");
+  } catch (const ddp::error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("by a store of this same job slurm:41.0 (several launchers"));
+  }
+}
+
+TEST_CASE("tcp_store: a port held by a program that is not a ddp store is named as such") {
+  // A listener that never greets, as PyTorch's TCPStore (torchrun's agent) does.
+  ds::unique_fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(listener.get(), 8) == 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  try {
+    tcp_store_server server({.port = ntohs(addr.sin_port), .token = std::string(), .job = "slurm:42.0"});
+    FAIL("bound a port that is in use");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("by a program that is not a ddp store") && Catch::Contains("TORCHELASTIC_USE_AGENT_STORE"));
+  }
+}
+
 }  // namespace ddp_test_tcp_store

@@ -21,6 +21,11 @@
 // before any key traffic; the server compares in constant time. The token is never sent, logged
 // or put in an error message.
 //
+// Job identity: a server and a client given one (options::job, from launch_environment::job_id)
+// refuse each other when they differ: the client fails with errc::config naming both jobs and the
+// port before it sends anything but its hello, so two jobs on one port never mix. A server that
+// cannot bind because the port is taken asks the holder's greeting who it is, and says so.
+//
 // Client: connects with retry until its deadline (the server may start after its clients), then
 // every call is bounded by timeout(). A server that goes away is errc::store at once ("store
 // server 127.0.0.1:29500 closed the connection"), not after the timeout; the client then stays
@@ -30,6 +35,7 @@
 
 #include <sys/random.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -75,6 +81,41 @@ inline void random_bytes(std::span<std::byte> out) {
   }
 }
 
+/// Who holds host:port, for the "already in use" message: a ddp store greets every new
+/// connection at once, so its hello names its job; anything else stays silent.
+inline std::string describe_port_holder(const std::string& host, std::uint16_t port, const std::string& my_job) {
+  const std::string mine = my_job.empty() ? std::string() : " (this rank is of job " + job_field_text(my_job) + ")";
+  unique_fd fd;
+  try {
+    fd = connect_with_retry(host.empty() ? std::string("127.0.0.1") : host, port, deadline::after(std::chrono::milliseconds(300)));
+  } catch (const error&) {
+    return " (another job or a leftover process?)";
+  }
+  std::array<std::byte, server_hello_bytes> hello{};
+  std::size_t got = 0;
+  const auto until = deadline::after(std::chrono::milliseconds(300));
+  while (got < hello.size()) {
+    const ssize_t n = ::recv(fd.get(), hello.data() + got, hello.size() - got, MSG_DONTWAIT);
+    if (n > 0) {
+      got += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
+    if (poll_one(fd.get(), POLLIN, until) == 0) break;
+  }
+  if (got < hello.size() || get_le<std::uint32_t>(hello.data()) != protocol_magic) {
+    return " by a program that is not a ddp store (under torchrun: its agent's TCPStore, which ddp joins when "
+           "TORCHELASTIC_USE_AGENT_STORE=True; else another program or a PyTorch job)" + mine;
+  }
+  const std::string theirs = server_hello_job(hello);
+  if (theirs.empty()) return " by the ddp store of another job or a leftover process" + mine;
+  if (theirs == job_field_text(my_job)) {
+    return " by a store of this same job " + theirs +
+           " (several launchers each started a whole job? e.g. srun -n2 over ddprun --nnodes=1)";
+  }
+  return " by the ddp store of job " + theirs + mine + " (two jobs on one port: give each its own MASTER_PORT)";
+}
+
 }  // namespace detail
 
 // ---- server ------------------------------------------------------------------------------
@@ -87,6 +128,7 @@ class tcp_store_server {
     std::optional<std::string> token;  // nullopt: $DDP_STORE_TOKEN; empty: no authentication
     std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
     store_log_fn log;  // default: "ddp: store server H:P: <reason>" on stderr
+    std::string job;   // the job this store serves; empty: no identity check
   };
 
   explicit tcp_store_server(options opts) : host_(opts.host) {
@@ -97,7 +139,7 @@ class tcp_store_server {
                                     ") without a token: set DDP_STORE_TOKEN, or give the address of one interface "
                                     "(127.0.0.1 for a single host)");
     }
-    listen_on(opts.host == "*" ? std::string() : opts.host, opts.port);
+    listen_on(opts.host == "*" ? std::string() : opts.host, opts.port, opts.job);
     int pipe_fds[2];
     if (::pipe2(pipe_fds, O_NONBLOCK | O_CLOEXEC) != 0) throw error(errc::store, system_message("pipe2"));
     wake_read_.reset(pipe_fds[0]);
@@ -106,7 +148,7 @@ class tcp_store_server {
       std::fprintf(stderr, "ddp: store server %s: %s\n", addr.c_str(), line.c_str());
     });
     core_ = std::make_unique<detail::server_core>(
-        detail::server_core::options{.token = token, .handshake_timeout = opts.handshake_timeout, .log = log_});
+        detail::server_core::options{.token = token, .job = opts.job, .handshake_timeout = opts.handshake_timeout, .log = log_});
     thread_ = std::thread([this] { run(); });
   }
 
@@ -126,7 +168,7 @@ class tcp_store_server {
   std::string address() const { return detail::host_port(host_, port_); }
 
  private:
-  void listen_on(const std::string& host, std::uint16_t port) {
+  void listen_on(const std::string& host, std::uint16_t port, const std::string& job) {
     const auto list = detail::resolve(host, port, true);
     const std::string where = detail::host_port(host.empty() ? "0.0.0.0" : host, port);
     int last = 0;
@@ -143,8 +185,8 @@ class tcp_store_server {
       if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
         last = errno;
         if (last == EADDRINUSE) {
-          throw error(errc::config,
-                      where + " is already in use (another job or a leftover process?): " + system_message("bind", last),
+          throw error(errc::config, where + " is already in use" + detail::describe_port_holder(host, port, job) + ": " +
+                                        system_message("bind", last),
                       {.op = "store.listen", .backend_code = last});
         }
         continue;
@@ -303,14 +345,15 @@ class tcp_store final : public store {
     std::chrono::milliseconds timeout = default_timeout();  // connecting, and every call
     std::optional<std::string> token;                       // nullopt: $DDP_STORE_TOKEN
     store_log_fn log;                                       // the server's log, with is_server
+    std::string job;                                        // this rank's job identity; empty: none
   };
 
-  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port) {
+  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job) {
     set_timeout(opts.timeout);
     const std::string token = detail::resolve_token(opts.token);
     if (opts.is_server) {
       server_ = std::make_unique<tcp_store_server>(
-          tcp_store_server::options{.host = opts.host, .port = opts.port, .token = token, .log = std::move(opts.log)});
+          tcp_store_server::options{.host = opts.host, .port = opts.port, .token = token, .log = std::move(opts.log), .job = opts.job});
       port_ = server_->port();
     }
     connect(token, deadline::after(opts.timeout));
@@ -393,11 +436,16 @@ class tcp_store final : public store {
   void connect(const std::string& token, const deadline& until) {
     fd_ = detail::connect_with_retry(host_, port_, until);
     const char* op = "store.connect";
-    send_all(detail::encode_client_hello(), until, op);
+    send_all(detail::encode_client_hello(detail::protocol_version, job_), until, op);
     std::array<std::byte, detail::server_hello_bytes> hello{};
     recv_exact(hello, until, op, " during the handshake");
     if (detail::get_le<std::uint32_t>(hello.data()) != detail::protocol_magic) {
       fail(errc::store, address() + " is not a ddp store server (bad magic in its greeting)", op);
+    }
+    if (const std::string theirs = detail::server_hello_job(hello); detail::jobs_clash(theirs, detail::job_field_text(job_))) {
+      fail(errc::config, "the store at " + address() + " serves job " + theirs + ", not this rank's job " +
+                             detail::job_field_text(job_) + " (two jobs on one port: give each its own MASTER_PORT)",
+           op);
     }
     const auto version = detail::get_le<std::uint16_t>(hello.data() + 4);
     if (version != detail::protocol_version) {
@@ -505,6 +553,7 @@ class tcp_store final : public store {
 
   std::string host_;
   std::uint16_t port_;
+  std::string job_;
   std::unique_ptr<tcp_store_server> server_;
   detail::unique_fd fd_;
   std::mutex mutex_;
@@ -517,8 +566,9 @@ static_assert(key_value_store<tcp_store>);
 /// connects to it. Port 0 with is_server picks a free port; read it back with
 /// static_cast<tcp_store&>(*s).port() to publish it. The token comes from $DDP_STORE_TOKEN.
 inline std::shared_ptr<store> make_tcp_store(const std::string& host, std::uint16_t port, bool is_server,
-                                             std::chrono::milliseconds timeout = default_timeout()) {
-  return std::make_shared<tcp_store>(tcp_store::options{.host = host, .port = port, .is_server = is_server, .timeout = timeout});
+                                             std::chrono::milliseconds timeout = default_timeout(), std::string job = {}) {
+  return std::make_shared<tcp_store>(
+      tcp_store::options{.host = host, .port = port, .is_server = is_server, .timeout = timeout, .job = std::move(job)});
 }
 
 }  // namespace ddp::store

@@ -3,8 +3,9 @@
 // server (no sockets, no state: a span of bytes in, a verdict out), so it can be fuzzed alone.
 //
 // All integers are little endian.
-//   client hello   magic u32 "DDPS" | version u16 | reserved u16                          (8 bytes)
-//   server hello   magic u32 | version u16 | flags u16 (bit 0: token required) | nonce[32] (40 bytes)
+//   client hello   magic u32 "DDPS" | version u16 | reserved u16 | job[64]               (72 bytes)
+//   server hello   magic u32 | version u16 | flags u16 (bit 0: token required) | nonce[32] | job[64]
+//                                                                                         (104 bytes)
 //   client proof   HMAC-SHA256(token, "ddp-store-auth-v1" | nonce), or 32 zero bytes without a token
 //   server verdict u8: 1 accepted, 0 refused (and the server closes)
 //   request        opcode u8 | key bytes u32 | value bytes u32 | key | value                 (9-byte header)
@@ -19,9 +20,15 @@
 //     ok: get/compare_set -> the value; add/num_keys -> i64; erase -> u8 existed; others empty
 //     timeout: count u32 | (key bytes u32 | key) * count, the keys still missing
 //     invalid_argument: a message
+// job: the job identity of the rank or server (launch_environment::job_id), zero-padded; all
+// zeros when it has none. A client and a server that both have one and differ belong to two
+// jobs that share a port: the client refuses the server before it sends its proof, the server
+// closes the client, and neither ever reads or writes a key of the other. Fixed-size fields keep
+// the handshake one read on each side.
 // Lengths are checked against the limits as soon as the 9-byte header is in, so a hostile length
 // is refused before any payload is buffered.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -35,10 +42,11 @@
 namespace ddp::store::detail {
 
 inline constexpr std::uint32_t protocol_magic = 0x53504444u;  // the bytes "DDPS"
-inline constexpr std::uint16_t protocol_version = 1;
-inline constexpr std::size_t client_hello_bytes = 8;
+inline constexpr std::uint16_t protocol_version = 2;
+inline constexpr std::size_t job_field_bytes = 64;
+inline constexpr std::size_t client_hello_bytes = 8 + job_field_bytes;
 inline constexpr std::size_t nonce_bytes = 32;
-inline constexpr std::size_t server_hello_bytes = 8 + nonce_bytes;
+inline constexpr std::size_t server_hello_bytes = 8 + nonce_bytes + job_field_bytes;
 inline constexpr std::size_t proof_bytes = 32;
 inline constexpr std::uint16_t flag_token_required = 1;
 inline constexpr std::string_view auth_context = "ddp-store-auth-v1";
@@ -86,32 +94,66 @@ struct parse_result {
 
 // ---- handshake -------------------------------------------------------------------------------
 
-inline std::vector<std::byte> encode_client_hello(std::uint16_t version = protocol_version) {
+/// A job identity as it travels in a hello: ids longer than the field keep their start and end
+/// around a '~', which stays readable and keeps ids that differ anywhere apart in practice.
+inline std::string job_field_text(std::string_view job) {
+  if (job.size() <= job_field_bytes) return std::string(job);
+  constexpr std::size_t head = job_field_bytes / 2 - 1;
+  constexpr std::size_t tail = job_field_bytes - head - 1;
+  return std::string(job.substr(0, head)) + "~" + std::string(job.substr(job.size() - tail));
+}
+
+inline void put_job_field(std::vector<std::byte>& out, std::string_view job) {
+  const std::string text = job_field_text(job);
+  put_bytes(out, text);
+  out.resize(out.size() + (job_field_bytes - text.size()), std::byte{0});
+}
+
+/// The job identity in a hello's job field ("" when it has none).
+inline std::string get_job_field(std::span<const std::byte> field) {
+  std::string text(reinterpret_cast<const char*>(field.data()), std::min(field.size(), job_field_bytes));
+  if (const auto nul = text.find('\0'); nul != std::string::npos) text.resize(nul);
+  return text;
+}
+
+/// Two identities clash when both are known and differ.
+inline bool jobs_clash(std::string_view a, std::string_view b) { return !a.empty() && !b.empty() && a != b; }
+
+inline std::vector<std::byte> encode_client_hello(std::uint16_t version = protocol_version, std::string_view job = {}) {
   std::vector<std::byte> out;
   put_le(out, protocol_magic);
   put_le(out, version);
   put_le(out, std::uint16_t{0});
+  put_job_field(out, job);
   return out;
 }
 
-/// Checks a client hello; an empty reason means it is acceptable.
+inline std::string client_hello_job(std::span<const std::byte> hello) { return get_job_field(hello.subspan(8)); }
+
+/// Checks a client hello, or as much of one as has arrived (so a stranger is turned away on its
+/// first bytes, not after a whole hello's worth); an empty reason means acceptable so far.
 inline std::string check_client_hello(std::span<const std::byte> hello) {
-  if (hello.size() < client_hello_bytes) return "short hello";
+  if (hello.size() < 4) return {};
   if (get_le<std::uint32_t>(hello.data()) != protocol_magic) return "bad magic (not a ddp store client)";
+  if (hello.size() < 6) return {};
   const auto version = get_le<std::uint16_t>(hello.data() + 4);
   if (version != protocol_version)
     return "protocol version " + std::to_string(version) + ", server speaks " + std::to_string(protocol_version);
   return {};
 }
 
-inline std::vector<std::byte> encode_server_hello(bool token_required, std::span<const std::byte, nonce_bytes> nonce) {
+inline std::vector<std::byte> encode_server_hello(bool token_required, std::span<const std::byte, nonce_bytes> nonce,
+                                                 std::string_view job = {}) {
   std::vector<std::byte> out;
   put_le(out, protocol_magic);
   put_le(out, protocol_version);
   put_le(out, static_cast<std::uint16_t>(token_required ? flag_token_required : 0));
   put_bytes(out, nonce);
+  put_job_field(out, job);
   return out;
 }
+
+inline std::string server_hello_job(std::span<const std::byte> hello) { return get_job_field(hello.subspan(8 + nonce_bytes)); }
 
 // ---- requests ------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ class server_core {
 
   struct options {
     std::string token;  // empty: no authentication
+    std::string job;    // the job identity this store serves; empty: any (see frame.hpp)
     std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
     log_fn log;  // one line per closed-for-cause connection; never given the token
   };
@@ -58,7 +59,7 @@ class server_core {
       put_bytes(msg, nonce);
       c.expected_proof = hmac_sha256(std::as_bytes(std::span(opts_.token.data(), opts_.token.size())), msg);
     }
-    const auto hello = encode_server_hello(!opts_.token.empty(), nonce);
+    const auto hello = encode_server_hello(!opts_.token.empty(), nonce, opts_.job);
     c.out.insert(c.out.end(), hello.begin(), hello.end());
   }
 
@@ -194,9 +195,14 @@ class server_core {
     while (c.state != phase::closing && !paused(c)) {
       const std::span<const std::byte> rest = std::span<const std::byte>(c.in).subspan(at);
       if (c.state == phase::hello) {
-        if (rest.size() < client_hello_bytes) break;
-        if (auto why = check_client_hello(rest); !why.empty()) {
+        if (auto why = check_client_hello(rest.first(std::min(rest.size(), client_hello_bytes))); !why.empty()) {
           close_for_cause(c, why);
+          return;
+        }
+        if (rest.size() < client_hello_bytes) break;
+        if (const std::string job = client_hello_job(rest); jobs_clash(job, job_field_text(opts_.job))) {
+          close_for_cause(c, "refused a rank of job " + job + ": this store serves job " + job_field_text(opts_.job) +
+                                 " (two jobs on one port)");
           return;
         }
         at += client_hello_bytes;
