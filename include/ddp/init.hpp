@@ -4,11 +4,18 @@
 //   auto group = ddp::init_process_group();            // "ring": shm on one host, tcp across hosts
 //   auto group = ddp::init_process_group("tcp", {.timeout = 30s});
 //
-// 1. rank and world size come from ddp::launch_environment (torchrun, Open MPI, PMI, Slurm;
-//    nothing set is a world of one), unless init_options overrides them;
+// 1. rank and world size come from ddp::launch_environment (torchrun, ddprun, Open MPI, hydra
+//    PMI, Flux, PALS, LSF, Slurm, Kubeflow; nothing set is a world of one), unless init_options
+//    overrides them;
 // 2. the rendezvous store is init_options::store when given; otherwise, for a world larger
 //    than one, a tcp_store at MASTER_ADDR:MASTER_PORT whose server rank 0 runs (a world of one
-//    needs no store at all; nor does a backend registered with {.store = false}, such as "mpi");
+//    needs no store at all; nor does a backend registered with {.store = false}, such as "mpi").
+//    Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True) the agent already serves
+//    a PyTorch TCPStore there: every rank is a client of it (torch_tcp_store), keys under
+//    "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", and nothing binds. Ranks carry the job's
+//    identity (launch_environment::job_id) into ddp's own store, which refuses another job's;
+//    when the launcher gave no local rank (PyTorchJob: RANK and WORLD_SIZE only), the local
+//    rank and local world size are derived here from the ranks that share a host;
 // 3. the backend is built by the factory registered under the name. Built in: "ring", "tcp",
 //    "shm" (ring_backend with that transport choice). <ddp/nccl.hpp> and <ddp/mpi.hpp> register
 //    "nccl" and "mpi" (register_backend, through an inline variable); without them the name is
@@ -18,6 +25,7 @@
 // Every rank calls init_process_group the same number of times in the same order: each call
 // uses its own store key prefix ("<prefix>/<n>"), so calls never read each other's keys.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -34,10 +42,12 @@
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
+#include "ddp/core/host.hpp"
 #include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/store.hpp"
 #include "ddp/store/tcp_store.hpp"
+#include "ddp/store/torch_tcp_store.hpp"
 
 namespace ddp {
 
@@ -93,6 +103,47 @@ inline pg_registry::pg_registry() {
   factories["ring"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::automatic); };
   factories["tcp"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::tcp); };
   factories["shm"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::shm); };
+}
+
+/// The job's store when init_options gives none: torchrun's agent store, or ddp's own.
+inline std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank, std::chrono::milliseconds timeout) {
+  const auto port = static_cast<std::uint16_t>(env.master_port);
+  if (env.use_agent_store) {
+    return std::make_shared<store::torch_tcp_store>(env.master_addr, port, timeout,
+                                                    "/worker/attempt_" + std::to_string(env.restart_count));
+  }
+  return store::make_tcp_store(env.master_addr, port, rank == 0, timeout, env.job_id);
+}
+
+/// Local rank, local world size, node rank and node count from the host identities of all
+/// ranks, for launchers that give only RANK and WORLD_SIZE: nodes are numbered in the order of
+/// their lowest rank, ranks within a node by global rank.
+inline void pg_derive_local_layout(launch_environment& env, store::store& st, const std::string& prefix, int rank,
+                                   int world_size, const std::string& identity = host_identity()) {
+  const std::string key = prefix + "/layout/host/";
+  st.set_string(key + std::to_string(rank), identity);
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(key + std::to_string(r));
+  st.wait(keys);
+  std::vector<std::string> all, hosts;  // hosts in order of first appearance = node order
+  for (int r = 0; r < world_size; ++r) {
+    all.push_back(st.get_string(keys[static_cast<std::size_t>(r)]));
+    if (std::find(hosts.begin(), hosts.end(), all.back()) == hosts.end()) hosts.push_back(all.back());
+  }
+  const std::string& mine = all[static_cast<std::size_t>(rank)];
+  int local_rank = 0, local_size = 0;
+  for (int r = 0; r < world_size; ++r) {
+    if (all[static_cast<std::size_t>(r)] != mine) continue;
+    if (r < rank) ++local_rank;
+    ++local_size;
+  }
+  env.local_rank = local_rank;
+  env.local_world_size = local_size;
+  env.num_nodes = static_cast<int>(hosts.size());
+  env.node_rank = static_cast<int>(std::find(hosts.begin(), hosts.end(), mine) - hosts.begin());
+  const std::string from(rendezvous_origin);
+  env.origin.local_rank = env.origin.local_world_size = env.origin.node_rank = env.origin.num_nodes = from;
+  env.local_layout_from_rendezvous = false;
 }
 
 // A function-local static: registration from other headers' inline variables may run before
@@ -167,8 +218,10 @@ inline group init_process_group(std::string_view backend = "ring", init_options 
   }
   c.prefix = opts.prefix + "/" + std::to_string(call);
   c.store = opts.store;
-  if (!c.store && c.world_size > 1 && requirements.store) {
-    c.store = store::make_tcp_store(c.env.master_addr, static_cast<std::uint16_t>(c.env.master_port), c.rank == 0, opts.init_timeout);
+  if (!c.store && c.world_size > 1 && requirements.store) c.store = detail::pg_make_store(c.env, c.rank, opts.init_timeout);
+  if (c.env.local_layout_from_rendezvous) {
+    if (c.store) detail::pg_derive_local_layout(c.env, *c.store, c.prefix, c.rank, c.world_size);
+    else if (c.world_size == 1) c.env.local_layout_from_rendezvous = false;  // rank 0 of 1 is local rank 0 of 1
   }
   c.options = std::move(opts);
   return factory(c);

@@ -36,6 +36,13 @@
 // node, so it passes through the launcher's DDP_STORE_TOKEN and warns when there is none.
 // The token is never printed.
 //
+// Job identity: every worker gets DDP_JOB_ID, which its store checks at the handshake so that
+// two jobs sharing a port never mix: options.job_id, else the launcher's own DDP_JOB_ID, else the
+// job of the launcher that started ddprun (e.g. "slurm:1234.0" under srun), else, for a single
+// node, "ddprun:<random>". A multi-node job without any of these runs without the check.
+// launch() refuses to run as one of several tasks of srun or mpirun with --nnodes=1: each task
+// would start a whole job of its own.
+//
 // With nproc_per_node > 1 and OMP_NUM_THREADS unset, workers get OMP_NUM_THREADS=1, as
 // torchrun does (N workers each using every core would oversubscribe the machine).
 
@@ -79,6 +86,7 @@ struct launch_options {
   std::string name = "ddprun";  // how the launcher's own lines start
   std::vector<std::pair<std::string, std::string>> env;  // more variables for every worker
   std::string store_token;  // empty: see "Tokens" above
+  std::string job_id;       // empty: see "Job identity" above
   int restart_count = 0;    // TORCHELASTIC_RESTART_COUNT for this group (set by launch())
   std::FILE* log = stderr;  // where the launcher's own lines go
 };
@@ -192,6 +200,42 @@ struct output_pipe {
 }  // namespace detail
 
 /// Starts this node's workers running argv and supervises them until every one has ended.
+namespace detail {
+
+/// The job identity a launcher hands its workers when none is given (see "Job identity").
+inline std::string launcher_job_id(int nnodes) {
+  if (const char* id = std::getenv("DDP_JOB_ID"); id != nullptr && *id != '\0') return id;
+  try {
+    if (auto outer = launch_environment::from_environment().job_id; !outer.empty()) return outer;
+  } catch (const error&) {
+    // An environment the launcher's own launcher left inconsistent: it identifies nothing.
+  }
+  return nnodes == 1 ? "ddprun:" + random_hex(8) : std::string();
+}
+
+/// A launcher started as one of several tasks (srun -n2 ddprun --nnodes=1) would run that many
+/// separate jobs, each believing it is the whole job: refuse, in one line.
+inline void check_not_one_of_many(const launch_options& o) {
+  if (o.nnodes != 1) return;
+  const auto count = [](const char* name) -> long long {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return 0;
+    const auto n = parse_int64(v);
+    return n ? *n : 0;
+  };
+  for (const char* var : {"SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    if (const long long tasks = count(var); tasks > 1) {
+      throw error(errc::config, o.name + " was started as one of " + std::to_string(tasks) + " tasks (" + var + "=" +
+                                    std::to_string(tasks) + ") with --nnodes=1, so each task would run a whole job of its own: "
+                                    "start one " + o.name + " per node with --nnodes=<nodes> --node-rank=<this node> "
+                                    "(e.g. srun --ntasks-per-node=1 " + o.name + " --nnodes=$SLURM_NNODES "
+                                    "--node-rank=$SLURM_NODEID ...), or let srun/mpirun start the ranks themselves");
+    }
+  }
+}
+
+}  // namespace detail
+
 /// See the top of this header for the variables, signals and exit code.
 inline launch_result spawn(const launch_options& options, const std::vector<std::string>& argv) {
   validate(options);
@@ -214,10 +258,12 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     }
   }
 
+  const std::string job_id = options.job_id.empty() ? detail::launcher_job_id(options.nnodes) : options.job_id;
+
   // Everything the children need is built before fork: after it they only make system calls.
   std::vector<std::string> names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDP_STORE_TOKEN"};
+                                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDP_STORE_TOKEN", "DDP_JOB_ID"};
   for (const auto& [k, v] : options.env) names.push_back(k);
   const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
   if (set_omp) names.push_back("OMP_NUM_THREADS");
@@ -246,6 +292,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     set("TORCHELASTIC_RESTART_COUNT", std::to_string(options.restart_count));
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts));
     if (!token.empty()) set("DDP_STORE_TOKEN", token);
+    if (!job_id.empty()) set("DDP_JOB_ID", job_id);
     if (set_omp) set("OMP_NUM_THREADS", "1");
     for (const auto& [k, v] : options.env) set(k, v);
   }
@@ -443,6 +490,8 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
 inline launch_result launch(const launch_options& options, const std::vector<std::string>& argv) {
   launch_options o = options;
   validate(o);
+  detail::check_not_one_of_many(o);
+  if (o.job_id.empty()) o.job_id = detail::launcher_job_id(o.nnodes);
   if (o.store_token.empty()) {
     if (const char* t = std::getenv("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') o.store_token = t;
     else if (o.nnodes == 1) o.store_token = detail::random_hex(16);
