@@ -37,6 +37,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -420,6 +421,7 @@ class ring_backend {
     }
     auto layout = algo::host_layout::from_identities(ids);
     s_->hosts = layout.hosts;
+    log_containers(ids, mine);
     if (layout.hosts == 1) {
       s_->on_shm = true;
       return std::nullopt;
@@ -434,6 +436,25 @@ class ring_backend {
     const bool hierarchical = hierarchy == hier::hierarchical || (hierarchy == hier::automatic && layout.worth_a_hierarchy());
     if (!hierarchical) return std::nullopt;
     return layout;
+  }
+
+  // Ranks on one machine that cannot share memory (containers with host networking but their
+  // own /dev/shm or PID namespace) count as separate hosts; say so once, from the lowest such rank.
+  void log_containers(const std::vector<std::string>& ids, const std::string& mine) const {
+    std::string apart;
+    int first = -1;
+    for (int r = 0; r < s_->size; ++r) {
+      const auto& id = ids[static_cast<std::size_t>(r)];
+      if (id != mine && machine_of(id) == machine_of(mine)) {
+        apart += (apart.empty() ? "" : ",") + std::to_string(r);
+        if (first < 0) first = r;
+      }
+    }
+    if (apart.empty() || first < s_->rank) return;  // the lower rank of such a pair reports
+    std::fprintf(stderr,
+                 "ddp: rank %d: ranks %s run on this machine (%s) but do not share its /dev/shm or PID namespace "
+                 "(containers?): using tcp between them\n",
+                 s_->rank, apart.c_str(), machine_of(mine).c_str());
   }
 
   // On the heap so the backend is movable (communicators hold atomics and are not).

@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -12,17 +13,37 @@
 
 namespace ddp {
 
-/// "hostname boot-id": equal for two processes exactly when they run on one kernel under
-/// one hostname. The boot id tells apart machines (and containers' VMs) that share a name;
-/// the hostname tells apart network namespaces or containers that share a kernel but not a
-/// network, which must talk over TCP.
+/// "hostname boot-id shm:<dev>:<inode> pidns:<inode>": equal for two processes exactly when
+/// they can share memory and watch each other's processes. The boot id tells apart machines
+/// (and containers' VMs) that share a name; the hostname tells apart network namespaces that
+/// share a kernel but not a network. The last two are probes of what is really shared:
+/// containers with host networking (same hostname, same kernel) but a private /dev/shm mount
+/// or a private PID namespace differ there, and must talk over TCP.
 inline std::string host_identity() {
   char host[256] = {};
   if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot);
-  return std::string(host) + " " + boot;
+  std::string id = std::string(host) + " " + boot;
+  struct stat shm{};
+  if (::stat("/dev/shm", &shm) == 0) {
+    id += " shm:" + std::to_string(static_cast<unsigned long long>(shm.st_dev)) + ":" +
+          std::to_string(static_cast<unsigned long long>(shm.st_ino));
+  } else {
+    id += " shm:none";
+  }
+  struct stat pid_ns{};
+  if (::stat("/proc/self/ns/pid", &pid_ns) == 0) id += " pidns:" + std::to_string(static_cast<unsigned long long>(pid_ns.st_ino));
+  return id;
+}
+
+/// The part of a host_identity() that names the machine: "hostname boot-id".
+inline std::string machine_of(const std::string& identity) {
+  const auto first = identity.find(' ');
+  if (first == std::string::npos) return identity;
+  const auto second = identity.find(' ', first + 1);
+  return identity.substr(0, second);
 }
 
 /// The local IPv4 address this host uses to reach `remote_host` (a name or an address), found
