@@ -6,7 +6,9 @@
 #     (tests/data/training.json, W2_real_torchrun_gloo: two ranks, --init-seed 0);
 #   - `scontrol show job` reports JobState=COMPLETED and ExitCode=0:0;
 #   - the daemons are gone afterwards and nothing with "ddp" in its name is left in /dev/shm.
-# usage: slurm_test.sh TRAIN_DDP SOURCE_DIR
+#   - under `srun --mpi=pmi2` (which sets PMI_RANK/PMI_SIZE as well as SLURM_*), `ddprun --info`
+#     in each task reports the Slurm source with local ranks 0 and 1 (given DDPRUN and the plugin);
+# usage: slurm_test.sh TRAIN_DDP SOURCE_DIR [DDPRUN]
 # Needs root. Without Slurm and munge installed it prints SKIPPED and exits 77, unless
 # DDP_TEST_INSTALL_SLURM=1, which apt-get installs slurm-wlm and munge first.
 # Every wait has a deadline, and all of them end within SLURM_TEST_BUDGET seconds (default 240) of
@@ -246,6 +248,23 @@ tasks=$(timeout "$(within 60)" srun --nodes=1 --ntasks=2 --cpus-per-task=1 bash 
   fail "srun --ntasks=2 failed or did not end in time"
 [ "$tasks" = $'0 2 0\n1 2 1' ] || fail "srun's tasks saw SLURM_PROCID SLURM_NTASKS SLURM_LOCALID = '$tasks', not '0 2 0' and '1 2 1'"
 echo "srun --ntasks=2: SLURM_PROCID SLURM_NTASKS SLURM_LOCALID = 0 2 0 and 1 2 1"
+
+# srun --mpi=pmi2: PMI_* and SLURM_* both set; ddp must read Slurm's local ranks, not PMI's.
+ddprun=${3:-}
+if [ -n "$ddprun" ] && srun --mpi=list 2>&1 | grep -qw pmi2; then
+  info=$(timeout "$(within 60)" srun --mpi=pmi2 --nodes=1 --ntasks=2 --cpus-per-task=1 \
+         bash -c '"$0" --info | grep -E "^  (source|rank|local_rank|job) " | tr -s " " | tr "\n" "|"; echo' "$ddprun" | sort) ||
+    fail "srun --mpi=pmi2 ddprun --info failed or did not end in time"
+  pmi_seen=$(timeout "$(within 30)" srun --mpi=pmi2 --nodes=1 --ntasks=1 bash -c 'echo "${PMI_RANK:-unset}"')
+  for r in 0 1; do
+    grep -q "source slurm .*| rank $r <- SLURM_PROCID| local_rank $r <- SLURM_LOCALID|" <<<"$info" ||
+      fail "srun --mpi=pmi2 (PMI_RANK in a task: $pmi_seen): ddprun --info did not report rank $r, local rank $r from Slurm:
+$info"
+  done
+  echo "srun --mpi=pmi2 (PMI_RANK=$pmi_seen in a task): ddprun --info reads Slurm: $(head -1 <<<"$info")"
+else
+  echo "srun --mpi=pmi2: not checked (no ddprun given, or Slurm has no pmi2 plugin: $(srun --mpi=list 2>&1 | tr '\n' ' '))"
+fi
 
 # The job, submitted as a user would: from the directory that receives train_ddp-<id>.out.
 out=$(cd "$work" && TRAIN_DDP=$train_ddp sbatch --parsable "$sbatch_script" --init-seed 0) || fail "sbatch failed: $out"
