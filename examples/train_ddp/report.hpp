@@ -21,6 +21,7 @@ inline std::int64_t peak_rss_bytes() {
 }
 
 struct report {
+  std::string dataset = "tutorial";
   std::string build;  // "cpu" or "cuda"
   std::string backend, gemm;
   int world_size = 1;
@@ -29,6 +30,10 @@ struct report {
   long batch_size = 0, samples = 0;
   int features = 0, hidden = 0, classes = 0;
   double lr = 0;
+  std::string lr_scaling = "none";
+  int warmup_epochs = 0;
+  long base_batch = 0, global_batch = 0;
+  double peak_lr = 0;  // the lr after warmup (lr when --lr-scaling none)
   std::vector<std::vector<double>> epoch_loss_sums_by_rank;
   std::vector<std::string> printed_lines;
   std::vector<float> step_losses_rank0;
@@ -41,9 +46,12 @@ struct report {
   double samples_processed = 0;  // over all ranks, padding included (what the ranks computed)
   std::vector<std::int64_t> peak_rss_bytes_by_rank;
   std::int64_t peak_device_memory_bytes = -1;  // CUDA build only
-  long eval_samples = 0, eval_correct = 0;
+  long eval_samples = 0, eval_correct = 0;  // the final model over the training data (digits: its training split)
   double eval_loss_sum = 0;
   std::vector<float> final_params;  // flat, named_parameters() order
+  // --dataset digits: after every epoch, over the held-out split (each sample once).
+  long heldout_samples = 0;
+  std::vector<double> heldout_accuracy_by_epoch, heldout_loss_by_epoch;
 };
 
 namespace detail {
@@ -73,6 +81,7 @@ inline std::string to_json(const report& r) {
   const auto d = [](double v) { return num(v); };
   const auto i64 = [](std::int64_t v) { return std::to_string(v); };
   std::string s = "{\n";
+  s += "  \"dataset\": " + quoted(r.dataset) + ",\n";
   s += "  \"build\": " + quoted(r.build) + ",\n";
   s += "  \"backend\": " + quoted(r.backend) + ",\n";
   s += "  \"gemm\": " + quoted(r.gemm) + ",\n";
@@ -85,6 +94,11 @@ inline std::string to_json(const report& r) {
   s += "  \"hidden\": " + std::to_string(r.hidden) + ",\n";
   s += "  \"classes\": " + std::to_string(r.classes) + ",\n";
   s += "  \"lr\": " + num(r.lr) + ",\n";
+  s += "  \"lr_scaling\": " + quoted(r.lr_scaling) + ",\n";
+  s += "  \"warmup_epochs\": " + std::to_string(r.warmup_epochs) + ",\n";
+  s += "  \"base_batch\": " + std::to_string(r.base_batch) + ",\n";
+  s += "  \"global_batch\": " + std::to_string(r.global_batch) + ",\n";
+  s += "  \"peak_lr\": " + num(r.peak_lr) + ",\n";
   s += "  \"printed_lines\": " + list(r.printed_lines, quoted) + ",\n";
   s += "  \"epoch_loss_sums_by_rank\": " +
        list(r.epoch_loss_sums_by_rank, [&](const std::vector<double>& v) { return list(v, d); }) + ",\n";
@@ -100,6 +114,13 @@ inline std::string to_json(const report& r) {
   s += "  \"eval_samples\": " + std::to_string(r.eval_samples) + ",\n";
   s += "  \"final_accuracy\": " + num(r.eval_samples ? double(r.eval_correct) / double(r.eval_samples) : 0) + ",\n";
   s += "  \"final_mean_loss\": " + num(r.eval_samples ? r.eval_loss_sum / double(r.eval_samples) : 0) + ",\n";
+  if (r.heldout_samples > 0 && !r.heldout_accuracy_by_epoch.empty()) {
+    s += "  \"heldout_samples\": " + std::to_string(r.heldout_samples) + ",\n";
+    s += "  \"heldout_accuracy_by_epoch\": " + list(r.heldout_accuracy_by_epoch, d) + ",\n";
+    s += "  \"heldout_loss_by_epoch\": " + list(r.heldout_loss_by_epoch, d) + ",\n";
+    s += "  \"heldout_accuracy\": " + num(r.heldout_accuracy_by_epoch.back()) + ",\n";
+    s += "  \"heldout_mean_loss\": " + num(r.heldout_loss_by_epoch.back()) + ",\n";
+  }
   s += "  \"final_params_bits\": " +
        list(r.final_params, [](float v) { return std::to_string(to_bits(v)); }) + "\n";
   return s + "}\n";

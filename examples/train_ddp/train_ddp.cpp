@@ -6,8 +6,10 @@
 //   train_ddp --nproc-per-node 2                two ranks on this host (ddp::launch, like torchrun --standalone)
 //   train_ddp --init-seed 0                     torch.manual_seed(0) weights: PyTorch's printed lines
 //   train_ddp --simulate-world 2                two replicas in one process (no communication)
+//   train_ddp --dataset digits                  real data (examples/data/digits.csv), held-out accuracy
 //
-// Rank 0 prints `Epoch N: Rank 0 local loss sum = X.XXXX` after each epoch, as the tutorial does.
+// Rank 0 prints `Epoch N: Rank 0 local loss sum = X.XXXX` after each epoch, as the tutorial does;
+// with --dataset digits also `Epoch N: held-out accuracy A.AAAA loss L.LLLL`.
 
 #include <chrono>
 #include <cstdint>
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <span>
 #include <string>
@@ -61,6 +64,86 @@ inline dataset make_dataset(const options& o) {
   d.n = o.samples;
   d.in = o.features;
   return d;
+}
+
+/// The data a run trains on, and the split it is evaluated on after every epoch (digits; the
+/// tutorial has none: heldout.n == 0).
+struct job_data {
+  dataset train, heldout;
+};
+
+/// examples/data/digits.csv (tools/make_digits.py): `#` comments, a header, then rows
+/// `split,index,label,p0,...,p63` with split train | heldout. Features are pixel / 16 in float32
+/// (exact: a power of two), as bench/torch/train_ddp_cpu.py divides them.
+inline job_data load_digits(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("--dataset digits: cannot read '" + path + "' (see --data)");
+  std::vector<float> x[2];
+  std::vector<std::int64_t> y[2];
+  bool header = true;
+  long line_number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++line_number;
+    if (line.empty() || line[0] == '#') continue;
+    if (header) {  // split,index,label,p0,...
+      header = false;
+      continue;
+    }
+    const auto bad = [&] { return std::runtime_error(path + ":" + std::to_string(line_number) + ": expected split,index,label,64 pixels"); };
+    const auto comma = line.find(',');
+    const std::string split = line.substr(0, comma);
+    if (comma == std::string::npos || (split != "train" && split != "heldout")) throw bad();
+    const int part = split == "train" ? 0 : 1;
+    const char* p = line.c_str() + comma + 1;
+    long values[66];
+    for (int i = 0; i < 66; ++i) {
+      char* end = nullptr;
+      values[i] = std::strtol(p, &end, 10);
+      if (end == p || (i < 65 ? *end != ',' : *end != '\0' && *end != '\r')) throw bad();
+      p = end + 1;
+    }
+    if (values[1] < 0 || values[1] > 9) throw bad();
+    y[part].push_back(values[1]);
+    for (int i = 2; i < 66; ++i) {
+      if (values[i] < 0 || values[i] > 16) throw bad();
+      x[part].push_back(float(values[i]) / 16.0f);
+    }
+  }
+  job_data d;
+  for (int part = 0; part < 2; ++part) {
+    dataset& s = part == 0 ? d.train : d.heldout;
+    if (y[part].empty()) throw std::runtime_error(path + ": no " + (part == 0 ? "train" : "heldout") + " rows");
+    s.features = thrust::device_vector<float>(x[part].begin(), x[part].end());
+    s.labels = thrust::device_vector<std::int64_t>(y[part].begin(), y[part].end());
+    s.n = long(y[part].size());
+    s.in = 64;
+  }
+  return d;
+}
+
+inline job_data make_data(const options& o) {
+  if (o.dataset == "digits") return load_digits(o.data);
+  job_data d;
+  d.train = make_dataset(o);
+  return d;
+}
+
+/// The lr of step t (t = 0, 1, ... over the whole run). --lr-scaling none: --lr. linear (Goyal et
+/// al. 2017): peak = lr x (global batch / base batch), reached from lr by a linear ramp over the
+/// first warmup_epochs x steps-per-epoch steps. Double, in the order bench/torch/train_ddp_cpu.py
+/// computes it, so both hand SGD the same float.
+struct lr_schedule {
+  double base = 0, peak = 0;
+  long warmup_steps = 0;
+  double at(long t) const { return t < warmup_steps ? base + (peak - base) * double(t) / double(warmup_steps) : peak; }
+};
+
+inline long base_batch(const options& o) { return o.base_batch > 0 ? o.base_batch : o.batch_size; }
+
+inline lr_schedule make_schedule(const options& o, int world, const ddp::distributed_sampler& sampler) {
+  const long steps_per_epoch = long((sampler.num_samples() + o.batch_size - 1) / o.batch_size);
+  const double peak = o.lr_scaling == "linear" ? o.lr * (double(o.batch_size * world) / double(base_batch(o))) : o.lr;
+  return {o.lr, peak, long(o.warmup_epochs) * steps_per_epoch};
 }
 
 /// torch.manual_seed(S); nn.Linear(features, hidden); nn.Linear(hidden, classes), flattened in
@@ -115,8 +198,16 @@ inline std::string epoch_line(int epoch, double total) {
   return b;
 }
 
-inline report base_report(const options& o, const char* gemm_name) {
+inline std::string heldout_line(int epoch, const eval_result& e) {
+  char b[96];
+  std::snprintf(b, sizeof b, "Epoch %d: held-out accuracy %.4f loss %.4f", epoch + 1,
+                double(e.correct) / double(e.count), e.loss_sum / double(e.count));
+  return b;
+}
+
+inline report base_report(const options& o, const char* gemm_name, const job_data& data, int world) {
   report r;
+  r.dataset = o.dataset;
   r.build = cuda_build ? "cuda" : "cpu";
   r.backend = o.simulate_world > 0 ? "simulated" : o.backend;
   r.gemm = gemm_name;
@@ -127,7 +218,24 @@ inline report base_report(const options& o, const char* gemm_name) {
   r.hidden = o.hidden;
   r.classes = o.classes;
   r.lr = o.lr;
+  r.samples = data.train.n;
+  r.heldout_samples = data.heldout.n;
+  r.lr_scaling = o.lr_scaling;
+  r.warmup_epochs = o.warmup_epochs;
+  r.base_batch = base_batch(o);
+  r.global_batch = o.batch_size * world;
   return r;
+}
+
+/// Rank 0's line after an epoch's held-out evaluation, kept in the report too.
+inline void note_heldout(report& rep, int epoch, const eval_result& e, bool print) {
+  rep.heldout_accuracy_by_epoch.push_back(double(e.correct) / double(e.count));
+  rep.heldout_loss_by_epoch.push_back(e.loss_sum / double(e.count));
+  rep.heldout_samples = e.count;
+  if (!print) return;
+  rep.printed_lines.push_back(heldout_line(epoch, e));
+  std::printf("%s\n", rep.printed_lines.back().c_str());
+  std::fflush(stdout);
 }
 
 /// --simulate-world W: W replicas in this process; after each step every gradient becomes
@@ -135,7 +243,8 @@ inline report base_report(const options& o, const char* gemm_name) {
 template <class Gemm>
 int run_simulation(const options& o, Gemm gemm) {
   const int w = o.simulate_world;
-  const dataset data = make_dataset(o);
+  const job_data all = make_data(o);
+  const dataset& data = all.train;
   const std::vector<float> init = initial_values(o);
   std::vector<mlp<Gemm>> replicas;
   std::vector<ddp::distributed_sampler> samplers;
@@ -144,9 +253,13 @@ int run_simulation(const options& o, Gemm gemm) {
     replicas.back().set_values(init);
     samplers.emplace_back(data.n, w, r, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed});
   }
-  report rep = base_report(o, Gemm::name);
+  report rep = base_report(o, Gemm::name, all, w);
   rep.world_size = w;
   rep.simulated = true;
+  const lr_schedule lr = make_schedule(o, w, samplers[0]);
+  rep.peak_lr = lr.peak;
+  long step = 0;
+  double eval_seconds = 0;
   rep.epoch_loss_sums_by_rank.assign(std::size_t(w), {});
   std::vector<float> sum(replicas[0].numel()), g(sum.size());
   const auto t0 = std::chrono::steady_clock::now();
@@ -173,17 +286,30 @@ int run_simulation(const options& o, Gemm gemm) {
           for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += g[i];
       }
       for (auto& v : sum) v /= float(w);
+      const double step_lr = lr.at(step++);
       for (auto& m : replicas) {
         thrust::copy(sum.begin(), sum.end(), m.grads().begin());
-        m.sgd_step(o.lr);
+        m.sgd_step(step_lr);
       }
     }
     for (int r = 0; r < w; ++r) rep.epoch_loss_sums_by_rank[std::size_t(r)].push_back(totals[std::size_t(r)]);
     rep.printed_lines.push_back(epoch_line(epoch, totals[0]));
     std::printf("%s\n", rep.printed_lines.back().c_str());
     std::fflush(stdout);
+    if (all.heldout.n > 0) {  // rank r's share r, r + W, ..., summed in rank order as the ring backend does
+      const auto e0 = std::chrono::steady_clock::now();
+      eval_result e;
+      for (int r = 0; r < w; ++r) {
+        const eval_result part = replicas[0].evaluate(all.heldout, r, w);
+        e.correct += part.correct;
+        e.count += part.count;
+        e.loss_sum += part.loss_sum;
+      }
+      note_heldout(rep, epoch, e, true);
+      eval_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
+    }
   }
-  rep.train_loop_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rep.train_loop_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
   const eval_result e = replicas[0].evaluate(data);
   rep.eval_samples = e.count;
   rep.eval_correct = e.correct;
@@ -199,7 +325,8 @@ int run_distributed(const options& o, Gemm gemm) {
   ddp::group group = ddp::init_process_group(o.backend);
   const int rank = group.rank(), world = group.size();
   device_memory_probe probe;
-  const dataset data = make_dataset(o);
+  const job_data all = make_data(o);
+  const dataset& data = all.train;
   mlp<Gemm> model(o.features, o.hidden, o.classes, gemm);
   model.set_values(initial_values(o));
 
@@ -222,8 +349,13 @@ int run_distributed(const options& o, Gemm gemm) {
   if (host_mirrors) model.set_values(host_values);
 
   ddp::distributed_sampler sampler{data.n, world, rank, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed}};
-  report rep = base_report(o, Gemm::name);
+  report rep = base_report(o, Gemm::name, all, world);
   rep.world_size = world;
+  const lr_schedule lr = make_schedule(o, world, sampler);
+  rep.peak_lr = lr.peak;
+  long step = 0;
+  double eval_seconds = 0;
+  std::chrono::nanoseconds eval_communication{0};
   std::vector<double> totals;
   probe.sample();
   group.barrier();  // time the loop, not the rendezvous
@@ -250,7 +382,7 @@ int run_distributed(const options& o, Gemm gemm) {
         net.finish();  // wait for the bucket all-reduces: gradients are now the mean over ranks
       }
       const auto synchronized = clock::now();
-      model.sgd_step(o.lr);
+      model.sgd_step(lr.at(step++));
       rep.compute_seconds += seconds(backward_done - step_start) + seconds(clock::now() - synchronized);
       rep.exposed_communication_seconds += seconds(synchronized - backward_done);
       ++rep.steps;
@@ -265,10 +397,23 @@ int run_distributed(const options& o, Gemm gemm) {
       std::printf("%s\n", rep.printed_lines.back().c_str());
       std::fflush(stdout);
     }
+    if (all.heldout.n > 0) {  // every held-out sample once: rank r takes r, r + W, ...
+      const auto e0 = clock::now();
+      const auto comm0 = group.stats()[ddp::collective::all_reduce].time;
+      const eval_result mine = model.evaluate(all.heldout, rank, world);
+      std::vector<std::int64_t> hits{mine.correct, mine.count};
+      std::vector<double> loss{mine.loss_sum};
+      group.all_reduce(std::span<std::int64_t>(hits), ddp::sum{});
+      group.all_reduce(std::span<double>(loss), ddp::sum{});
+      note_heldout(rep, epoch, eval_result{long(hits[0]), long(hits[1]), loss[0]}, rank == 0);
+      eval_seconds += seconds(clock::now() - e0);
+      eval_communication += group.stats()[ddp::collective::all_reduce].time - comm0;
+    }
   }
-  rep.communication_seconds = seconds(group.stats()[ddp::collective::all_reduce].time - comm_before);
+  // Loop and communication time are the training's: the held-out evaluations are taken out.
+  rep.communication_seconds = seconds(group.stats()[ddp::collective::all_reduce].time - comm_before - eval_communication);
   group.barrier();
-  rep.train_loop_seconds = seconds(clock::now() - t0);
+  rep.train_loop_seconds = seconds(clock::now() - t0) - eval_seconds;
 
   // Exact evaluation: rank r takes samples r, r + W, ...: every sample exactly once.
   const eval_result e = model.evaluate(data, rank, world);
