@@ -5,7 +5,7 @@
 
 CASE is one of
   w1 .. w4    torchrun --no-python with W workers in three modes: --standalone, a c10d rendezvous
-              endpoint, and static --master-addr/--master-port;
+              endpoint, and static --master-addr/--master-port; with W > 1 also --backend tcp;
   two_nodes   two torchrun "nodes" on loopback (c10d rendezvous, 2 x 2 workers);
   restart     --max-restarts=1: in the first attempt rank 1 is SIGKILLed mid-run (once rank 0 has
               printed an epoch line), the agent restarts the group and the second attempt completes.
@@ -120,6 +120,11 @@ def case_world(a, w):
     for mode in ("standalone", "c10d", "static"):
         [(rc, out, err)] = run([torchrun_cmd(a, mode, w, [a.train_ddp, "--init-seed", "0"])], f"{mode} W={w}")
         ok &= check(f"torchrun {mode} W={w}", rc, out, err, expected)
+    if w > 1:
+        # The tcp transport keeps its addresses in the agent's store too (the runs above use shm).
+        [(rc, out, err)] = run([torchrun_cmd(a, "standalone", w, [a.train_ddp, "--init-seed", "0", "--backend", "tcp"])],
+                               f"standalone W={w} tcp")
+        ok &= check(f"torchrun standalone W={w} --backend tcp", rc, out, err, expected)
     return ok
 
 
