@@ -134,8 +134,8 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
       reduce_chunk(pending.step, pending.chunk);
     }
   };
-  auto progress = [&](std::size_t received) {
-    hdr.on_progress(received);
+  auto progress = [&](std::size_t bytes_in) {
+    hdr.on_progress(bytes_in);
     if (!hdr.pending) flush();
   };
 
@@ -170,8 +170,8 @@ void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadl
   const int p = t.size(), r = t.rank(), next = mod(r + 1, p), prev = mod(r - 1, p);
   const block_layout blocks{count, p};
   const std::size_t nchunks = chunk_count(blocks.largest(), sizeof(E), o);
-  auto progress = [&](std::size_t received) {
-    if (hdr != nullptr) hdr->on_progress(received);
+  auto progress = [&](std::size_t bytes_in) {
+    if (hdr != nullptr) hdr->on_progress(bytes_in);
   };
   for (int s = 0; s < p - 1; ++s) {
     const int send_block = mod(r - s, p), recv_block = mod(r - s - 1, p);
@@ -267,7 +267,7 @@ void chain_broadcast(T& t, std::span<E> data, int root, const collective_desc& d
   const std::size_t nchunks = chunk_count(n, sizeof(E), o);
   auto chunk = [&](std::size_t c) { return std::pair{chunk_first(n, nchunks, c), chunk_first(n, nchunks, c + 1)}; };
   header_check hdr(d, r);
-  auto progress = [&](std::size_t received) { hdr.on_progress(received); };
+  auto progress = [&](std::size_t bytes_in) { hdr.on_progress(bytes_in); };
   E* base = data.data();
   if (pos == 0) {
     for (std::size_t c = 0; c < nchunks; ++c) {

@@ -68,9 +68,9 @@ inline std::error_code make_error_code(errc code) noexcept { return {static_cast
 /// Every field is optional; what() prints only what is known.
 struct error_context {
   int rank = -1;               // -1: not known / not in a group
-  std::string op;              // e.g. "all_reduce", "store.get"
-  std::optional<std::uint64_t> seq;  // the collective's sequence number in its group
-  std::string detail;          // e.g. "float32 x 1024, sum"
+  std::string op = {};         // e.g. "all_reduce", "store.get"
+  std::optional<std::uint64_t> seq = {};  // the collective's sequence number in its group
+  std::string detail = {};     // e.g. "float32 x 1024, sum"
   int backend_code = 0;        // native NCCL / MPI / errno code when there is one
 };
 

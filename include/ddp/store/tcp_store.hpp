@@ -125,10 +125,10 @@ class tcp_store_server {
   struct options {
     std::string host = "127.0.0.1";
     std::uint16_t port = 0;            // 0: pick a free port (see port())
-    std::optional<std::string> token;  // nullopt: $DDP_STORE_TOKEN; empty: no authentication
+    std::optional<std::string> token = {};  // nullopt: $DDP_STORE_TOKEN; empty: no authentication
     std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
-    store_log_fn log;  // default: "ddp: store server H:P: <reason>" on stderr
-    std::string job;   // the job this store serves; empty: no identity check
+    store_log_fn log = {};  // default: "ddp: store server H:P: <reason>" on stderr
+    std::string job = {};   // the job this store serves; empty: no identity check
   };
 
   explicit tcp_store_server(options opts) : host_(opts.host) {
@@ -343,9 +343,9 @@ class tcp_store final : public store {
     std::uint16_t port = 29500;  // with is_server, 0 picks a free port (see port())
     bool is_server = false;      // also run the server in this process (rank 0)
     std::chrono::milliseconds timeout = default_timeout();  // connecting, and every call
-    std::optional<std::string> token;                       // nullopt: $DDP_STORE_TOKEN
-    store_log_fn log;                                       // the server's log, with is_server
-    std::string job;                                        // this rank's job identity; empty: none
+    std::optional<std::string> token = {};                  // nullopt: $DDP_STORE_TOKEN
+    store_log_fn log = {};                                  // the server's log, with is_server
+    std::string job = {};                                   // this rank's job identity; empty: none
   };
 
   explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job) {

@@ -283,7 +283,7 @@ class tcp_transport {
     }
     s_->rank = rank;
     s_->size = size;
-    s_->peers = std::vector<peer>(static_cast<std::size_t>(size));
+    s_->peers = std::vector<peer_link>(static_cast<std::size_t>(size));
     s_->wake = detail::tcp::unique_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!s_->wake) throw error(errc::internal, system_message("eventfd"));
     if (size > 1) connect_mesh(store, prefix, opts);
@@ -426,13 +426,13 @@ class tcp_transport {
   }
 
  private:
-  struct peer {
+  struct peer_link {
     detail::tcp::unique_fd fd;
     std::atomic<std::uint64_t> sent{0}, received{0};
   };
   struct state {
     int rank = 0, size = 1;
-    std::vector<peer> peers;
+    std::vector<peer_link> peers;
     detail::tcp::unique_fd wake;
     std::atomic<bool> aborted{false};
     std::atomic<int> lost_peer{-1};
