@@ -96,7 +96,7 @@ TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 runs two consistent
   INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
   CHECK(code == 0);
   CHECK(p.err_text.empty());
-  std::set<std::string> ports, tokens;
+  std::set<std::string> ports, tokens, jobs;
   for (int r = 0; r < 2; ++r) {
     std::ifstream in(dir.path + "/" + std::to_string(r) + ".env");
     std::map<std::string, std::string> env;
@@ -110,11 +110,15 @@ TEST_CASE("ddprun --standalone --nnodes=1 --nproc-per-node=2 runs two consistent
     CHECK(env["MASTER_PORT"] != "29500");
     ports.insert(env["MASTER_PORT"]);
     tokens.insert(env["DDP_STORE_TOKEN"]);
+    jobs.insert(env["DDP_JOB_ID"]);
+    CHECK(env["job"] == env["DDP_JOB_ID"]);  // the identity the workers' store handshake carries
     CHECK(env["parsed"].rfind("torchrun " + std::to_string(r) + " 2 " + std::to_string(r) + " 2 127.0.0.1:", 0) == 0);
   }
   CHECK(ports.size() == 1);
   CHECK(tokens.size() == 1);
   CHECK(tokens.begin()->size() == 32);
+  REQUIRE(jobs.size() == 1);  // one job identity for the whole job
+  CHECK(jobs.begin()->rfind("ddprun:", 0) == 0);
   // Output is passed through verbatim by default.
   CHECK_THAT(p.out_text, Catch::Contains("worker RANK=0\n"));
   CHECK_THAT(p.out_text, Catch::Contains("worker RANK=1\n"));
@@ -242,6 +246,20 @@ TEST_CASE("ddprun: bad flags and bad configuration give one line and a non-zero 
     CHECK(code == c.code);
     CHECK(p.out_text.empty());
     CHECK(lines(p.err_text) == std::vector<std::string>{c.message});
+  }
+}
+
+TEST_CASE("ddprun as one of several srun or mpirun tasks with --nnodes=1 is refused in one line") {
+  require_ddprun();
+  for (const auto& [var, value] : std::vector<std::pair<std::string, std::string>>{
+           {"SLURM_STEP_NUM_TASKS", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"}}) {
+    ddp::test::child_process p({ddprun_exe, "--nproc-per-node=1", "/bin/true"}, {{var, value}});
+    const int code = p.wait(30s);
+    INFO("stderr:\n" << p.err_text);
+    CHECK(code == 2);
+    REQUIRE(lines(p.err_text).size() == 1);
+    CHECK_THAT(p.err_text, Catch::StartsWith("ddprun: ddprun was started as one of " + value + " tasks (" + var + "=" + value +
+                                             ") with --nnodes=1, so each task would run a whole job of its own"));
   }
 }
 

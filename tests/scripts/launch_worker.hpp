@@ -108,13 +108,14 @@ inline int worker_main(const std::vector<std::string>& args) {
   if (mode == "env") {
     std::ostringstream s;
     for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                          "MASTER_ADDR", "MASTER_PORT", "DDP_STORE_TOKEN", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"}) {
+                          "MASTER_ADDR", "MASTER_PORT", "DDP_STORE_TOKEN", "DDP_JOB_ID", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"}) {
       s << k << "=" << env_or(k) << "\n";
     }
     try {
       const auto env = ddp::launch_environment::from_environment();
       s << "parsed=" << ddp::to_string(env.source()) << " " << env.rank << " " << env.world_size << " " << env.local_rank
         << " " << env.local_world_size << " " << env.master_addr << ":" << env.master_port << "\n";
+      s << "job=" << env.job_id << "\n";
     } catch (const std::exception& e) {
       s << "parsed=error " << e.what() << "\n";
     }
