@@ -4,8 +4,12 @@
 // <ddp/nccl.hpp> and <ddp/mpi.hpp> add the optional backends, <ddp/adapters/eigen.hpp> and
 // <ddp/adapters/thrust.hpp> the parameter adapters for those libraries.
 
+// With DDP_COMPILED (CMake target ddp::ddp_compiled) the ring backend is compiled once in the
+// library and its headers are left out here; see ddp/core/compiled.hpp.
+
 // core: errors, element types, reduce ops, deadlines, concepts, launch environment
 #include "ddp/core/collective.hpp"
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -18,7 +22,9 @@
 #include "ddp/store/file_store.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "ddp/store/store.hpp"
+#if !DDP_DECLARATIONS_ONLY
 #include "ddp/store/tcp_store.hpp"
+#include "ddp/store/torch_tcp_store.hpp"
 
 // transports, algorithms, the ring backend
 #include "ddp/algorithms/ring_communicator.hpp"
@@ -27,6 +33,7 @@
 #include "ddp/shared_buffer.hpp"
 #include "ddp/transport/shm.hpp"
 #include "ddp/transport/tcp.hpp"
+#endif
 
 // process groups
 #include "ddp/group.hpp"
@@ -34,7 +41,8 @@
 #include "ddp/process_group.hpp"
 #include "ddp/work.hpp"
 
-// training: generator, sampler, DDP wrapper
+// training: generator, sampler, DDP wrapper, checkpoints and preemption
+#include "ddp/checkpoint.hpp"
 #include "ddp/compression.hpp"
 #include "ddp/data_parallel.hpp"
 #include "ddp/parameters.hpp"

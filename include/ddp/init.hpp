@@ -38,16 +38,19 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/backends/ring.hpp"
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/host.hpp"
 #include "ddp/group.hpp"
-#include "ddp/process_group.hpp"
 #include "ddp/store/store.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include "ddp/backends/ring.hpp"
+#include "ddp/process_group.hpp"
 #include "ddp/store/tcp_store.hpp"
 #include "ddp/store/torch_tcp_store.hpp"
+#endif
 
 namespace ddp {
 
@@ -91,6 +94,10 @@ struct pg_registry {
   std::uint64_t calls = 0;
 };
 
+// The built-in backends' factories instantiate the ring backend for every dtype and reduction:
+// most of what a program that calls init_process_group compiles. With the compiled library
+// (DDP_COMPILED, target ddp::ddp_compiled) they are compiled once, in src/ddp_compiled.cpp.
+#if !DDP_DECLARATIONS_ONLY
 inline group pg_make_ring(const backend_context& c, ring_options::transport_kind transport) {
   ring_options o;
   o.transport = transport;
@@ -99,14 +106,15 @@ inline group pg_make_ring(const backend_context& c, ring_options::transport_kind
   return group(process_group<ring_backend>(ring_backend(c.store, c.rank, c.world_size, o), {.timeout = c.options.timeout}));
 }
 
-inline pg_registry::pg_registry() {
+DDP_COMPILED_INLINE pg_registry::pg_registry() {
   factories["ring"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::automatic); };
   factories["tcp"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::tcp); };
   factories["shm"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::shm); };
 }
 
 /// The job's store when init_options gives none: torchrun's agent store, or ddp's own.
-inline std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank, std::chrono::milliseconds timeout) {
+DDP_COMPILED_INLINE std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank,
+                                                                 std::chrono::milliseconds timeout) {
   const auto port = static_cast<std::uint16_t>(env.master_port);
   if (env.use_agent_store) {
     return std::make_shared<store::torch_tcp_store>(env.master_addr, port, timeout,
@@ -114,6 +122,9 @@ inline std::shared_ptr<store::store> pg_make_store(const launch_environment& env
   }
   return store::make_tcp_store(env.master_addr, port, rank == 0, timeout, env.job_id);
 }
+#else
+std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank, std::chrono::milliseconds timeout);
+#endif
 
 /// Local rank, local world size, node rank and node count from the host identities of all
 /// ranks, for launchers that give only RANK and WORLD_SIZE: nodes are numbered in the order of

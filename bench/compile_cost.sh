@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# What a user pays to compile a ddp program: the CPU time (user + sys) and peak memory of g++ on
+# one file that includes <ddp/ddp.hpp>, calls init_process_group("ring") and one all_reduce,
+# header-only and with the compiled library (DDP_COMPILED, ddp::ddp_compiled), at -O0 and -O2;
+# beside it the same program on MPI (mpicxx) and a file that includes only <vector> and <string>.
+# Each figure is the median of REPS compiles (default 3). Writes bench/results/compile_cost.md.
+#   bench/compile_cost.sh
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+reps=${REPS:-3}
+cxx=${CXX:-g++}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+out=$root/bench/results/compile_cost.md
+mkdir -p "$root/bench/results"
+
+cat >"$work/ddp_program.cpp" <<'CPP'
+#include <ddp/ddp.hpp>
+#include <vector>
+int main() {
+  auto group = ddp::init_process_group("ring");
+  std::vector<float> grad(1 << 20, float(group.rank()));
+  group.all_reduce(std::span(grad), ddp::avg{});
+  return grad[0] == 0.0f ? 0 : 1;
+}
+CPP
+cat >"$work/mpi_program.cpp" <<'CPP'
+#include <mpi.h>
+#include <vector>
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::vector<float> grad(1 << 20, float(rank));
+  MPI_Allreduce(MPI_IN_PLACE, grad.data(), int(grad.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return 0;
+}
+CPP
+printf '#include <string>\n#include <vector>\nint main() { std::vector<std::string> v{"a"}; return int(v.size()) - 1; }\n' >"$work/std_program.cpp"
+
+# measure NAME COMMAND...: median CPU seconds and peak MiB of REPS runs, appended as a table row.
+rows=()
+measure() {
+  local name=$1; shift
+  local cpu=() mem=()
+  for ((i = 0; i < reps; i++)); do
+    /usr/bin/time -f '%U %S %M' -o "$work/time" "$@" >/dev/null 2>"$work/err" || { cat "$work/err" >&2; return 1; }
+    read -r u s m <"$work/time"
+    cpu+=("$(python3 -c "print(f'{$u + $s:.2f}')")")
+    mem+=("$((m / 1024))")
+  done
+  local c m
+  c=$(printf '%s\n' "${cpu[@]}" | sort -n | sed -n "$(((reps + 1) / 2))p")
+  m=$(printf '%s\n' "${mem[@]}" | sort -n | sed -n "$(((reps + 1) / 2))p")
+  printf '  %-58s %7s s %6s MiB\n' "$name" "$c" "$m" >&2
+  rows+=("| $name | $c | $m |")
+}
+
+inc=(-std=c++20 -I"$root/include")
+echo "compile cost ($cxx, median of $reps):" >&2
+for opt in -O0 -O2; do
+  measure "ddp header-only, $opt" "$cxx" "${inc[@]}" "$opt" -c "$work/ddp_program.cpp" -o "$work/a.o"
+  measure "ddp compiled library (DDP_COMPILED), $opt" "$cxx" "${inc[@]}" -DDDP_COMPILED "$opt" -c "$work/ddp_program.cpp" -o "$work/b.o"
+  if command -v mpicxx >/dev/null; then
+    measure "MPI (mpicxx), $opt" mpicxx "$opt" -c "$work/mpi_program.cpp" -o "$work/c.o"
+  fi
+  measure "<string> + <vector> only, $opt" "$cxx" -std=c++20 "$opt" -c "$work/std_program.cpp" -o "$work/d.o"
+done
+measure "the compiled library itself (src/ddp_compiled.cpp, once), -O2" \
+  "$cxx" "${inc[@]}" -O2 -c "$root/src/ddp_compiled.cpp" -o "$work/lib.o"
+
+{
+  echo "# Compile cost of a ddp program"
+  echo
+  echo "One file: \`#include <ddp/ddp.hpp>\`, \`init_process_group(\"ring\")\`, one \`all_reduce\` (the MPI row:"
+  echo "\`MPI_Init\` + \`MPI_Allreduce\`). CPU = user + sys seconds of the compiler, memory = its peak RSS;"
+  echo "medians of $reps compiles with $($cxx --version | head -1) on $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))."
+  echo
+  echo "    bench/compile_cost.sh"
+  echo
+  echo "| build | CPU s | peak MiB |"
+  echo "| --- | ---: | ---: |"
+  printf '%s\n' "${rows[@]}"
+} >"$out"
+echo "wrote $out" >&2
