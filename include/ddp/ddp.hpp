@@ -41,8 +41,7 @@
 #include "ddp/process_group.hpp"
 #include "ddp/work.hpp"
 
-// training: generator, sampler, DDP wrapper, checkpoints and preemption
-#include "ddp/checkpoint.hpp"
+// training: generator, sampler, DDP wrapper
 #include "ddp/compression.hpp"
 #include "ddp/data_parallel.hpp"
 #include "ddp/parameters.hpp"
