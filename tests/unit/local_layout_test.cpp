@@ -16,10 +16,17 @@ struct layout {
   bool operator==(const layout&) const = default;
 };
 
+// Catch's assertions are not thread-safe: the ranks record, the test thread checks.
+struct rank_result {
+  layout values{};
+  bool flag_cleared = false;
+  std::string origin;
+};
+
 std::vector<layout> derive(const std::vector<std::string>& hosts) {
   ddp::store::hash_store st;
   const int world = static_cast<int>(hosts.size());
-  std::vector<layout> out(hosts.size());
+  std::vector<rank_result> results(hosts.size());
   std::vector<std::thread> ranks;
   for (int r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
@@ -28,12 +35,19 @@ std::vector<layout> derive(const std::vector<std::string>& hosts) {
       env.world_size = world;
       env.local_layout_from_rendezvous = true;
       ddp::detail::pg_derive_local_layout(env, st, "test/0", r, world, hosts[static_cast<std::size_t>(r)]);
-      out[static_cast<std::size_t>(r)] = {env.local_rank, env.local_world_size, env.node_rank, env.num_nodes};
-      CHECK_FALSE(env.local_layout_from_rendezvous);
-      CHECK(env.origin.local_rank == "derived at rendezvous (ranks sharing a host)");
+      auto& mine = results[static_cast<std::size_t>(r)];
+      mine.values = {env.local_rank, env.local_world_size, env.node_rank, env.num_nodes};
+      mine.flag_cleared = !env.local_layout_from_rendezvous;
+      mine.origin = env.origin.local_rank;
     });
   }
   for (auto& t : ranks) t.join();
+  std::vector<layout> out;
+  for (const auto& result : results) {
+    CHECK(result.flag_cleared);
+    CHECK(result.origin == "derived at rendezvous (ranks sharing a host)");
+    out.push_back(result.values);
+  }
   return out;
 }
 
