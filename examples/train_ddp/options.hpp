@@ -44,6 +44,13 @@ struct options {
   std::string lr_scaling = "none";  // none | linear
   int warmup_epochs = 0;
   long base_batch = 0;  // the global batch --lr was chosen for; 0: --batch-size (one rank's batch)
+  // Checkpoints (ddp/checkpoint.hpp): with a directory, the run resumes from its newest complete
+  // checkpoint, saves every N steps (0: only when preempted) and on SIGUSR1/SIGTERM saves at the
+  // next step boundary and exits with ddp::preemption::requeue_exit_code (75).
+  std::string checkpoint_dir;
+  long checkpoint_every = 0;
+  int keep = 3;            // complete checkpoints kept (0: all)
+  bool no_resume = false;  // start from step 0 even when the directory holds a checkpoint
 };
 
 /// --dataset digits: the values that reach >= 0.9 held-out accuracy at every world size of the
@@ -99,8 +106,19 @@ inline options parse_options(int argc, char** argv) {
   app.add_option("--base-batch", o.base_batch,
                  "the global batch --lr was chosen for (0: --batch-size, so the linear rule scales by the world size)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "save checkpoints under DIR/step-N/ and resume from the newest complete one there; SIGUSR1 or "
+                 "SIGTERM saves at the next step and exits with code 75 (requeue)");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "with --checkpoint-dir: save every N steps (0: only when preempted)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--keep", o.keep, "with --checkpoint-dir: complete checkpoints to keep (0: all)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--no-resume", o.no_resume, "with --checkpoint-dir: start from step 0 even if DIR holds a checkpoint");
   try {
     app.parse(argc, argv);
+    if (o.checkpoint_dir.empty() && (o.checkpoint_every > 0 || o.no_resume))
+      throw CLI::ValidationError("--checkpoint-every/--no-resume", "need --checkpoint-dir");
+    if (!o.checkpoint_dir.empty() && o.simulate_world > 0)
+      throw CLI::ValidationError("--checkpoint-dir", "is not supported with --simulate-world");
     if (o.dataset == "digits") {
       // The data fixes these; a value given anyway would be silently wrong.
       for (const auto* fixed : {samples, features, classes})

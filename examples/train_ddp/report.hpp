@@ -52,6 +52,10 @@ struct report {
   // --dataset digits: after every epoch, over the held-out split (each sample once).
   long heldout_samples = 0;
   std::vector<double> heldout_accuracy_by_epoch, heldout_loss_by_epoch;
+  // --checkpoint-dir: the step this run resumed from (-1: it started from step 0), the checkpoints it saved.
+  bool checkpointing = false;
+  long resumed_from_step = -1;
+  std::vector<long> checkpoints_saved;
 };
 
 namespace detail {
@@ -120,6 +124,11 @@ inline std::string to_json(const report& r) {
     s += "  \"heldout_loss_by_epoch\": " + list(r.heldout_loss_by_epoch, d) + ",\n";
     s += "  \"heldout_accuracy\": " + num(r.heldout_accuracy_by_epoch.back()) + ",\n";
     s += "  \"heldout_mean_loss\": " + num(r.heldout_loss_by_epoch.back()) + ",\n";
+  }
+  if (r.checkpointing) {
+    s += "  \"resumed\": " + std::string(r.resumed_from_step >= 0 ? "true" : "false") + ",\n";
+    s += "  \"resumed_from_step\": " + (r.resumed_from_step >= 0 ? std::to_string(r.resumed_from_step) : "null") + ",\n";
+    s += "  \"checkpoints_saved\": " + list(r.checkpoints_saved, [](long v) { return std::to_string(v); }) + ",\n";
   }
   s += "  \"final_params_bits\": " +
        list(r.final_params, [](float v) { return std::to_string(to_bits(v)); }) + "\n";

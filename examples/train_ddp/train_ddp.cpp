@@ -7,12 +7,14 @@
 //   train_ddp --init-seed 0                     torch.manual_seed(0) weights: PyTorch's printed lines
 //   train_ddp --simulate-world 2                two replicas in one process (no communication)
 //   train_ddp --dataset digits                  real data (examples/data/digits.csv), held-out accuracy
+//   train_ddp --checkpoint-dir ckpt --checkpoint-every 10   save, resume, preemption (README: Checkpoints)
 //
 // Rank 0 prints `Epoch N: Rank 0 local loss sum = X.XXXX` after each epoch, as the tutorial does;
 // with --dataset digits also `Epoch N: held-out accuracy A.AAAA loss L.LLLL`.
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -23,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "ddp/checkpoint.hpp"
 #include "ddp/data_parallel.hpp"
 #include "ddp/init.hpp"
 #include "ddp/launch.hpp"
@@ -238,6 +241,50 @@ inline void note_heldout(report& rep, int epoch, const eval_result& e, bool prin
   std::fflush(stdout);
 }
 
+/// What --checkpoint-dir saves besides the parameters: everything a resumed run needs to print
+/// the lines and write the report an uninterrupted run would (its own loss sums, rank 0's step
+/// losses and printed lines, the epoch in progress's partial sum). Per rank: each rank's sums differ.
+struct resumable {
+  std::vector<float> values;  // host copy of the parameters (the model may live on the device)
+  std::vector<float> grads;   // unused; parameter_refs come in (value, grad) pairs
+  std::vector<double> totals;  // finished epochs' loss sums
+  std::vector<double> partial{0.0};  // the epoch in progress
+  std::vector<std::uint8_t> lines;   // rank 0's printed lines, '\n'-terminated
+  std::vector<double> samples_processed{0.0};
+  std::vector<std::int64_t> heldout_samples{0};
+};
+
+/// The options a resumed run must share with the run that saved (the others, such as --epochs,
+/// --backend or --init-seed, may change); kept in the checkpoint's metadata.
+inline std::string checkpoint_config(const options& o) {
+  char b[512];
+  std::snprintf(b, sizeof b,
+                "dataset=%s samples=%ld features=%d hidden=%d classes=%d batch_size=%ld lr=%.17g data_seed=%llu "
+                "sampler_seed=%lld lr_scaling=%s warmup_epochs=%d base_batch=%ld",
+                o.dataset.c_str(), o.samples, o.features, o.hidden, o.classes, o.batch_size, o.lr,
+                static_cast<unsigned long long>(o.data_seed), static_cast<long long>(o.sampler_seed), o.lr_scaling.c_str(),
+                o.warmup_epochs, o.base_batch);
+  return b;
+}
+
+template <class Model>
+ddp::checkpoint::state checkpoint_state(const options& o, const Model& model, resumable& r, report& rep) {
+  namespace ck = ddp::checkpoint;
+  ck::state st;
+  flat_params host{r.values, r.grads, &model.slots(), ddp::memory_space::host};
+  st.add_parameters(parameters(host));
+  st.add_vector("train.epoch_loss_sums", r.totals, ck::scope::per_rank);
+  st.add("train.epoch_loss_sum_so_far", std::span(r.partial), {}, ck::scope::per_rank);
+  st.add_vector("train.step_losses_rank0", rep.step_losses_rank0, ck::scope::per_rank);
+  st.add_vector("train.printed_lines", r.lines, ck::scope::per_rank);
+  st.add_vector("train.heldout_accuracy_by_epoch", rep.heldout_accuracy_by_epoch, ck::scope::per_rank);
+  st.add_vector("train.heldout_loss_by_epoch", rep.heldout_loss_by_epoch, ck::scope::per_rank);
+  st.add("train.samples_processed", std::span(r.samples_processed), {}, ck::scope::per_rank);
+  st.add("train.heldout_samples", std::span(r.heldout_samples), {}, ck::scope::per_rank);
+  st.metadata["train_ddp.config"] = checkpoint_config(o);
+  return st;
+}
+
 /// --simulate-world W: W replicas in this process; after each step every gradient becomes
 /// (g_0 + ... + g_{W-1}) / W in float32, summed in rank order (what the golden simulation does).
 template <class Gemm>
@@ -322,6 +369,10 @@ int run_simulation(const options& o, Gemm gemm) {
 
 template <class Gemm>
 int run_distributed(const options& o, Gemm gemm) {
+  // Installed before the rendezvous: a SIGTERM that early must not kill the rank outright.
+  const bool checkpointing = !o.checkpoint_dir.empty();
+  std::optional<ddp::preemption> preempt;
+  if (checkpointing) preempt.emplace();
   ddp::group group = ddp::init_process_group(o.backend);
   const int rank = group.rank(), world = group.size();
   device_memory_probe probe;
@@ -357,16 +408,82 @@ int run_distributed(const options& o, Gemm gemm) {
   double eval_seconds = 0;
   std::chrono::nanoseconds eval_communication{0};
   std::vector<double> totals;
+
+  // Resume: rank 0 picks the newest complete checkpoint and tells the others which.
+  rep.checkpointing = checkpointing;
+  int start_epoch = 0;
+  std::int64_t start_batch = 0;
+  double start_partial = 0;
+  resumable saved;
+  if (checkpointing && !o.no_resume) {
+    std::vector<std::int64_t> found{-1};
+    if (rank == 0)
+      if (const auto c = ddp::checkpoint::latest(o.checkpoint_dir)) found[0] = c->step;
+    group.broadcast(std::span<std::int64_t>(found), 0);
+    if (found[0] >= 0) {
+      const auto path = ddp::checkpoint::step_path(o.checkpoint_dir, found[0]);
+      saved.values.assign(model.numel(), 0.0f);
+      saved.grads.assign(model.numel(), 0.0f);
+      auto st = checkpoint_state(o, model, saved, rep);
+      const auto got = ddp::checkpoint::load(path, rank, world, st);
+      const auto config = got.metadata.find("train_ddp.config");
+      if (config == got.metadata.end() || config->second != checkpoint_config(o))
+        throw ddp::error(ddp::errc::config, "checkpoint " + path.string() + " was written with other options:\n  saved: " +
+                                                (config == got.metadata.end() ? std::string("(none)") : config->second) +
+                                                "\n  now:   " + checkpoint_config(o) + "\n(or pass --no-resume)");
+      model.set_values(saved.values);
+      if (host_mirrors) std::copy(saved.values.begin(), saved.values.end(), host_values.begin());
+      totals = saved.totals;
+      for (std::size_t a = 0, b = 0; b < saved.lines.size(); ++b)
+        if (saved.lines[b] == '\n') {
+          rep.printed_lines.emplace_back(saved.lines.begin() + std::ptrdiff_t(a), saved.lines.begin() + std::ptrdiff_t(b));
+          a = b + 1;
+        }
+      rep.samples_processed = saved.samples_processed[0];
+      rep.heldout_samples = long(saved.heldout_samples[0]);
+      step = long(got.step);
+      start_epoch = int(got.sampler.epoch);
+      start_batch = got.sampler.batches_done;
+      start_partial = saved.partial[0];
+      rep.resumed_from_step = step;
+      if (rank == 0)
+        std::fprintf(stderr, "train_ddp: resumed from checkpoint %s (step %ld: epoch %d, batch %lld)\n", path.c_str(), step,
+                     start_epoch + 1, static_cast<long long>(start_batch));
+    } else if (rank == 0) {
+      std::fprintf(stderr, "train_ddp: no complete checkpoint in %s, starting from step 0\n", o.checkpoint_dir.c_str());
+    }
+  }
+  // Saves this step (every rank, same step): the parameters and what the report and lines need.
+  const auto save_checkpoint = [&](int epoch, std::int64_t batches_done, double partial) {
+    resumable now;
+    now.values = model.host_values();
+    now.grads.assign(now.values.size(), 0.0f);
+    now.totals = totals;
+    now.partial = {partial};
+    for (const auto& line : rep.printed_lines) {
+      now.lines.insert(now.lines.end(), line.begin(), line.end());
+      now.lines.push_back('\n');
+    }
+    now.samples_processed = {rep.samples_processed};
+    now.heldout_samples = {rep.heldout_samples};
+    auto st = checkpoint_state(o, model, now, rep);
+    st.sampler = {.seed = o.sampler_seed, .epoch = epoch, .batches_done = batches_done};
+    st.metadata["step"] = std::to_string(step);
+    ddp::checkpoint::save(group, o.checkpoint_dir, step, st, {.keep = o.keep});
+    rep.checkpoints_saved.push_back(step);
+  };
   probe.sample();
   group.barrier();  // time the loop, not the rendezvous
   using clock = std::chrono::steady_clock;
   const auto seconds = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
   const auto comm_before = group.stats()[ddp::collective::all_reduce].time;
   const auto t0 = clock::now();
-  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+  for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
     sampler.set_epoch(epoch);
-    double total_loss = 0;
-    for (const auto batch : sampler.batches(o.batch_size)) {
+    const std::int64_t first_batch = epoch == start_epoch ? start_batch : 0;
+    double total_loss = epoch == start_epoch ? start_partial : 0;
+    std::int64_t batches_done = first_batch;
+    for (const auto batch : sampler.batches_from(o.batch_size, first_batch)) {
       float loss = 0;
       const auto step_start = clock::now();
       clock::time_point backward_done;
@@ -389,6 +506,20 @@ int run_distributed(const options& o, Gemm gemm) {
       total_loss += loss;
       if (rank == 0) rep.step_losses_rank0.push_back(loss);
       rep.samples_processed += double(batch.size());
+      ++batches_done;
+      if (checkpointing) {
+        // Every rank takes the same decision at the same step: the flag is all-reduced.
+        const bool stop = preempt->agreed(group);
+        if (stop || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0))
+          save_checkpoint(epoch, batches_done, total_loss);
+        if (stop) {
+          if (rank == 0)
+            std::fprintf(stderr, "train_ddp: preempted: saved checkpoint %s; exiting with %d (requeue)\n",
+                         ddp::checkpoint::step_path(o.checkpoint_dir, step).c_str(),
+                         ddp::preemption::requeue_exit_code);
+          return ddp::preemption::requeue_exit_code;
+        }
+      }
     }
     totals.push_back(total_loss);
     probe.sample();

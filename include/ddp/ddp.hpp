@@ -41,7 +41,8 @@
 #include "ddp/process_group.hpp"
 #include "ddp/work.hpp"
 
-// training: generator, sampler, DDP wrapper
+// training: generator, sampler, DDP wrapper, checkpoints and preemption
+#include "ddp/checkpoint.hpp"
 #include "ddp/compression.hpp"
 #include "ddp/data_parallel.hpp"
 #include "ddp/parameters.hpp"

@@ -163,6 +163,15 @@ class index_batches {
     return indices_.subspan(from, std::min(static_cast<std::size_t>(step_), indices_.size() - from));
   }
 
+  /// The same batches without the first `count` (all of them when count >= size()): where a run
+  /// resumed from a checkpoint taken `count` steps into the epoch continues.
+  index_batches skip(std::size_t count) const {
+    index_batches rest = *this;
+    const std::size_t from = std::min(count, size()) * static_cast<std::size_t>(step_);
+    rest.indices_ = indices_.subspan(std::min(from, indices_.size()));
+    return rest;
+  }
+
  private:
   std::span<const std::int64_t> indices_;
   std::ptrdiff_t step_ = 1;
@@ -244,6 +253,16 @@ class distributed_sampler {
     note_pass();
     const auto& current = lists_ptr();
     return index_batches(current->indices, batch_size, drop_last_batch, current);
+  }
+
+  /// batches(batch_size, drop_last_batch) from batch `start_batch` on: the rest of an epoch that a
+  /// checkpoint interrupted after start_batch steps (see ddp/checkpoint.hpp, sampler_position).
+  /// Counts as a pass, like batches().
+  index_batches batches_from(std::int64_t batch_size, std::int64_t start_batch, bool drop_last_batch = false) const {
+    if (start_batch < 0)
+      throw error(errc::invalid_argument, "start_batch must be >= 0, got " + std::to_string(start_batch),
+                  {.op = "batches_from"});
+    return batches(batch_size, drop_last_batch).skip(static_cast<std::size_t>(start_batch));
   }
 
   /// This rank's share without padding duplicates, whatever drop_last says: the ranks' exact()

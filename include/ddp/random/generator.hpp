@@ -9,9 +9,15 @@
 // clears them. Distributions on top of it live in random/distributions.hpp.
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ddp/core/error.hpp"
 
 namespace ddp {
 
@@ -112,5 +118,59 @@ class torch_generator {
 
   torch_generator_state s_;
 };
+
+/// A torch_generator_state as bytes, for checkpoints: a fixed little-endian layout that does not
+/// depend on the host (seed u64, 624 x u32 words, left i32, next i32, then the two cached normals,
+/// each as a has-value byte and the value's bits: f64, f32): 2,526 bytes.
+inline constexpr std::size_t torch_generator_state_bytes = 8 + 4 * torch_generator_state::words + 4 + 4 + 1 + 8 + 1 + 4;
+
+namespace detail {
+inline void rng_put_le(std::vector<std::byte>& out, std::uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xffU));
+}
+inline std::uint64_t rng_get_le(std::span<const std::byte> in, std::size_t& at, int n) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= std::uint64_t{std::to_integer<std::uint8_t>(in[at++])} << (8 * i);
+  return v;
+}
+}  // namespace detail
+
+inline std::vector<std::byte> to_bytes(const torch_generator_state& s) {
+  std::vector<std::byte> out;
+  out.reserve(torch_generator_state_bytes);
+  detail::rng_put_le(out, s.seed, 8);
+  for (const std::uint32_t w : s.mt) detail::rng_put_le(out, w, 4);
+  detail::rng_put_le(out, static_cast<std::uint32_t>(s.left), 4);
+  detail::rng_put_le(out, static_cast<std::uint32_t>(s.next), 4);
+  detail::rng_put_le(out, s.next_double_normal ? 1 : 0, 1);
+  detail::rng_put_le(out, std::bit_cast<std::uint64_t>(s.next_double_normal.value_or(0.0)), 8);
+  detail::rng_put_le(out, s.next_float_normal ? 1 : 0, 1);
+  detail::rng_put_le(out, std::bit_cast<std::uint32_t>(s.next_float_normal.value_or(0.0f)), 4);
+  return out;
+}
+
+/// The inverse of to_bytes; errc::invalid_argument when the size or a field is out of range.
+inline torch_generator_state torch_generator_state_from_bytes(std::span<const std::byte> in) {
+  if (in.size() != torch_generator_state_bytes)
+    throw error(errc::invalid_argument, "torch_generator state: expected " + std::to_string(torch_generator_state_bytes) +
+                                            " bytes, got " + std::to_string(in.size()));
+  torch_generator_state s;
+  std::size_t at = 0;
+  s.seed = detail::rng_get_le(in, at, 8);
+  for (auto& w : s.mt) w = static_cast<std::uint32_t>(detail::rng_get_le(in, at, 4));
+  s.left = static_cast<int>(static_cast<std::int32_t>(detail::rng_get_le(in, at, 4)));
+  s.next = static_cast<int>(static_cast<std::int32_t>(detail::rng_get_le(in, at, 4)));
+  const auto has_double = detail::rng_get_le(in, at, 1);
+  const auto double_bits = detail::rng_get_le(in, at, 8);
+  const auto has_float = detail::rng_get_le(in, at, 1);
+  const auto float_bits = static_cast<std::uint32_t>(detail::rng_get_le(in, at, 4));
+  // An out-of-range position would index past the words on the next draw.
+  if (s.left < 1 || s.left > static_cast<int>(torch_generator_state::words) || s.next < 0 ||
+      s.next > static_cast<int>(torch_generator_state::words) || has_double > 1 || has_float > 1)
+    throw error(errc::invalid_argument, "torch_generator state: the bytes do not hold a valid state");
+  if (has_double) s.next_double_normal = std::bit_cast<double>(double_bits);
+  if (has_float) s.next_float_normal = std::bit_cast<float>(float_bits);
+  return s;
+}
 
 }  // namespace ddp
