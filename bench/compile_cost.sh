@@ -65,7 +65,7 @@ for opt in -O0 -O2; do
   if command -v mpicxx >/dev/null; then
     measure "MPI (mpicxx), $opt" mpicxx "$opt" -c "$work/mpi_program.cpp" -o "$work/c.o"
   fi
-  measure "<string> + <vector> only, $opt" "$cxx" -std=c++20 "$opt" -c "$work/std_program.cpp" -o "$work/d.o"
+  measure "\`<string>\` + \`<vector>\` only, $opt" "$cxx" -std=c++20 "$opt" -c "$work/std_program.cpp" -o "$work/d.o"
 done
 measure "the compiled library itself (src/ddp_compiled.cpp, once), -O2" \
   "$cxx" "${inc[@]}" -O2 -c "$root/src/ddp_compiled.cpp" -o "$work/lib.o"
