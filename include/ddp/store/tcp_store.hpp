@@ -92,18 +92,8 @@ inline std::string describe_port_holder(const std::string& host, std::uint16_t p
     return " (another job or a leftover process?)";
   }
   std::array<std::byte, server_hello_bytes> hello{};
-  std::size_t got = 0;
-  const auto until = deadline::after(std::chrono::milliseconds(300));
-  while (got < hello.size()) {
-    const ssize_t n = ::recv(fd.get(), hello.data() + got, hello.size() - got, MSG_DONTWAIT);
-    if (n > 0) {
-      got += static_cast<std::size_t>(n);
-      continue;
-    }
-    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
-    if (poll_one(fd.get(), POLLIN, until) == 0) break;
-  }
-  if (got < hello.size() || get_le<std::uint32_t>(hello.data()) != protocol_magic) {
+  const auto got = recv_exact_by(fd.get(), hello, deadline::after(std::chrono::milliseconds(300)));
+  if (got.status != transfer_status::done || get_le<std::uint32_t>(hello.data()) != protocol_magic) {
     return " by a program that is not a ddp store (under torchrun: its agent's TCPStore, which ddp joins when "
            "TORCHELASTIC_USE_AGENT_STORE=True; else another program or a PyTorch job)" + mine;
   }
@@ -515,39 +505,23 @@ class tcp_store final : public store {
   }
 
   void send_all(std::span<const std::byte> data, const deadline& until, const char* op) {
-    std::size_t done = 0;
-    while (done < data.size()) {
-      const ssize_t n = ::send(fd_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0) {
-        done += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        const short rev = detail::poll_one(fd_.get(), POLLOUT, until);
-        if (rev == 0) fail(errc::timeout, "store server " + address() + " did not take the request in time", op);
-        continue;
-      }
-      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("send") + ")", op);
+    const auto r = detail::send_all_by(fd_.get(), data, until);
+    if (r.status == detail::transfer_status::timed_out) {
+      fail(errc::timeout, "store server " + address() + " did not take the request in time", op);
+    }
+    if (r.status != detail::transfer_status::done) {
+      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("send", r.err) + ")", op);
     }
   }
 
   void recv_exact(std::span<std::byte> data, const deadline& until, const char* op, const std::string& when) {
-    std::size_t done = 0;
-    while (done < data.size()) {
-      const ssize_t n = ::recv(fd_.get(), data.data() + done, data.size() - done, MSG_DONTWAIT);
-      if (n > 0) {
-        done += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (n == 0) fail(errc::store, "store server " + address() + " closed the connection" + when, op);
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        const short rev = detail::poll_one(fd_.get(), POLLIN, until);
-        if (rev == 0) fail(errc::timeout, "store server " + address() + " did not answer in time" + when, op);
-        continue;
-      }
-      fail(errc::store, "store server " + address() + " closed the connection" + when + " (" + system_message("recv") + ")", op);
+    const auto r = detail::recv_exact_by(fd_.get(), data, until);
+    switch (r.status) {
+      case detail::transfer_status::done: return;
+      case detail::transfer_status::timed_out: fail(errc::timeout, "store server " + address() + " did not answer in time" + when, op);
+      case detail::transfer_status::closed: fail(errc::store, "store server " + address() + " closed the connection" + when, op);
+      case detail::transfer_status::failed:
+        fail(errc::store, "store server " + address() + " closed the connection" + when + " (" + system_message("recv", r.err) + ")", op);
     }
   }
 

@@ -284,38 +284,16 @@ class torch_tcp_store final : public store {
   enum class handshake_result { answered, closed, reset, silent };
 
   handshake_result handshake(std::span<const std::byte> hello, std::byte (&answer)[4], const deadline& until) {
-    std::size_t sent = 0;
-    while (sent < hello.size()) {
-      const ssize_t n = ::send(fd_.get(), hello.data() + sent, hello.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0) {
-        sent += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (detail::poll_one(fd_.get(), POLLOUT, until) == 0) return handshake_result::silent;
-        continue;
-      }
-      reset_errno_ = errno;
-      return handshake_result::reset;
+    auto r = detail::send_all_by(fd_.get(), hello, until);
+    if (r.status == detail::transfer_status::done) r = detail::recv_exact_by(fd_.get(), std::span<std::byte>(answer), until);
+    switch (r.status) {
+      case detail::transfer_status::done: return handshake_result::answered;
+      case detail::transfer_status::timed_out: return handshake_result::silent;
+      case detail::transfer_status::closed: return handshake_result::closed;
+      case detail::transfer_status::failed: break;
     }
-    std::size_t got = 0;
-    while (got < sizeof answer) {
-      const ssize_t n = ::recv(fd_.get(), answer + got, sizeof answer - got, MSG_DONTWAIT);
-      if (n > 0) {
-        got += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (n == 0) return handshake_result::closed;
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        if (detail::poll_one(fd_.get(), POLLIN, until) == 0) return handshake_result::silent;
-        continue;
-      }
-      reset_errno_ = errno;
-      return handshake_result::reset;
-    }
-    return handshake_result::answered;
+    reset_errno_ = r.err;
+    return handshake_result::reset;
   }
 
   static std::string hex32(std::uint32_t v) {
@@ -433,42 +411,24 @@ class torch_tcp_store final : public store {
 
   void send_request(std::span<const std::byte> data, const deadline& until, const char* op) {
     check_usable(op);
-    std::size_t done = 0;
-    while (done < data.size()) {
-      const ssize_t n = ::send(fd_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0) {
-        done += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (detail::poll_one(fd_.get(), POLLOUT, until) == 0) {
-          fail(errc::timeout, "store server " + address() + " did not take the request in time", op);
-        }
-        continue;
-      }
-      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("send") + ")", op);
+    const auto r = detail::send_all_by(fd_.get(), data, until);
+    if (r.status == detail::transfer_status::timed_out) {
+      fail(errc::timeout, "store server " + address() + " did not take the request in time", op);
+    }
+    if (r.status != detail::transfer_status::done) {
+      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("send", r.err) + ")", op);
     }
   }
 
   void recv_exact(std::span<std::byte> data, const deadline& until, const char* op) {
     check_usable(op);
-    std::size_t done = 0;
-    while (done < data.size()) {
-      const ssize_t n = ::recv(fd_.get(), data.data() + done, data.size() - done, MSG_DONTWAIT);
-      if (n > 0) {
-        done += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (n == 0) fail(errc::store, "store server " + address() + " closed the connection", op);
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        if (detail::poll_one(fd_.get(), POLLIN, until) == 0) {
-          fail(errc::timeout, "store server " + address() + " did not answer in time", op);
-        }
-        continue;
-      }
-      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("recv") + ")", op);
+    const auto r = detail::recv_exact_by(fd_.get(), data, until);
+    switch (r.status) {
+      case detail::transfer_status::done: return;
+      case detail::transfer_status::timed_out: fail(errc::timeout, "store server " + address() + " did not answer in time", op);
+      case detail::transfer_status::closed: fail(errc::store, "store server " + address() + " closed the connection", op);
+      case detail::transfer_status::failed:
+        fail(errc::store, "store server " + address() + " closed the connection (" + system_message("recv", r.err) + ")", op);
     }
   }
 

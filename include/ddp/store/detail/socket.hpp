@@ -94,6 +94,53 @@ inline short poll_one(int fd, short events, const deadline& until) {
   }
 }
 
+/// How a whole transfer on a non-blocking socket ended: done, the deadline passed, the peer closed
+/// the connection (recv read 0), or an error (errno in `err`).
+enum class transfer_status { done, timed_out, closed, failed };
+struct transfer_result {
+  transfer_status status = transfer_status::done;
+  int err = 0;
+};
+
+/// Sends all of `data` by `until` (short writes and EINTR handled); the store clients' only send loop.
+inline transfer_result send_all_by(int fd, std::span<const std::byte> data, const deadline& until) {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      done += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (poll_one(fd, POLLOUT, until) == 0) return {transfer_status::timed_out, 0};
+      continue;
+    }
+    return {transfer_status::failed, errno};
+  }
+  return {};
+}
+
+/// Receives exactly data.size() bytes by `until`; the store clients' only receive loop.
+inline transfer_result recv_exact_by(int fd, std::span<std::byte> data, const deadline& until) {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::recv(fd, data.data() + done, data.size() - done, MSG_DONTWAIT);
+    if (n > 0) {
+      done += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n == 0) return {transfer_status::closed, 0};
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (poll_one(fd, POLLIN, until) == 0) return {transfer_status::timed_out, 0};
+      continue;
+    }
+    return {transfer_status::failed, errno};
+  }
+  return {};
+}
+
 /// One non-blocking connect attempt; returns the connected fd, or an empty one with `err` set.
 inline unique_fd try_connect(const addrinfo* ai, const deadline& until, int& err) {
   unique_fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol));
