@@ -1,0 +1,129 @@
+// The rank program of the kill campaign (kill_campaign.py): one 4-rank job, started by ddprun or
+// by hand, through the phases a job goes through, each announced on stdout so that the campaign
+// can SIGKILL a process at a moment of its choosing:
+//   fault_worker rank=R pid=P phase=rendezvous   before init_process_group
+//   fault_worker rank=R pid=P phase=allocate     before the group allocates its shared buffers
+//   fault_worker rank=R pid=P phase=step         before the first of --steps all_reduces
+//   fault_worker rank=R pid=P phase=shutdown     before the last barrier and the group's end
+//   fault_worker rank=R pid=P phase=done         after the group has ended
+// Every all_reduce's result is checked against its closed form. A failure is one line on stderr,
+//   fault_worker rank=R pid=P error: <what()>   (exit 1)
+//   fault_worker rank=R pid=P wrong result: ...  (exit 3)
+// Options: --transport shm|tcp (shm: backend "ring", which uses shared memory when every rank
+// is on this host; tcp: backend "tcp", TCP between local ranks too), --steps N, --count N (floats
+// per all_reduce), --prefix P (store key prefix; it is part of the shared-memory segment names,
+// which lets the campaign tell this job's segments from others').
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ddp/ddp.hpp>
+
+namespace {
+
+int rank_for_lines = -1;  // -1 until known: RANK from the environment
+
+void line(std::FILE* f, const std::string& text) {
+  // One write per line: the ranks share the launcher's pipes, and lines must not interleave.
+  const std::string out = "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()) + " " + text + "\n";
+  std::fputs(out.c_str(), f);
+  std::fflush(f);
+}
+
+void phase(const char* name) { line(stdout, std::string("phase=") + name); }
+
+struct wrong_result {
+  std::string what;
+};
+
+// Rank r contributes (r + 1) * (i % 7 + step % 5 + 1) at element i; the sum over p ranks is
+// p (p + 1) / 2 times that factor, exact in float for these magnitudes.
+void fill(std::span<float> data, int rank, int step) {
+  for (std::size_t i = 0; i < data.size(); ++i)
+    data[i] = static_cast<float>(rank + 1) * static_cast<float>(i % 7 + static_cast<std::size_t>(step % 5) + 1);
+}
+void check(std::span<const float> data, int world, int step, const char* what) {
+  const float ranks = static_cast<float>(world * (world + 1) / 2);
+  for (std::size_t i = 0; i < data.size(); ++i) {
+    const float want = ranks * static_cast<float>(i % 7 + static_cast<std::size_t>(step % 5) + 1);
+    if (data[i] != want) {
+      throw wrong_result{std::string(what) + " all_reduce at step " + std::to_string(step) + ": element " + std::to_string(i) +
+                         " is " + std::to_string(data[i]) + ", expected " + std::to_string(want)};
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string transport = "shm", prefix = "ddp";
+  int steps = 200;
+  std::size_t count = std::size_t{1} << 16;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "fault_worker: %s needs a value\n", argv[i]);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--transport") transport = value();
+    else if (a == "--steps") steps = std::atoi(value().c_str());
+    else if (a == "--count") count = static_cast<std::size_t>(std::atoll(value().c_str()));
+    else if (a == "--prefix") prefix = value();
+    else {
+      std::fprintf(stderr, "fault_worker: unknown argument '%s'\n", argv[i]);
+      return 2;
+    }
+  }
+  if (transport != "shm" && transport != "tcp") {
+    std::fprintf(stderr, "fault_worker: --transport %s: expected shm or tcp\n", transport.c_str());
+    return 2;
+  }
+  if (const char* r = std::getenv("RANK")) rank_for_lines = std::atoi(r);
+  try {
+    phase("rendezvous");
+    ddp::init_options options;
+    options.prefix = prefix;
+    auto group = ddp::init_process_group(transport == "tcp" ? "tcp" : "ring", options);
+    const int world = group.size(), me = group.rank();
+    rank_for_lines = me;
+
+    phase("allocate");
+    // Several buffers, so that the window in which segments exist but are not yet mapped by
+    // every rank is hit often.
+    std::vector<ddp::group_buffer<float>> buffers;
+    for (int b = 0; b < 4; ++b) buffers.push_back(group.allocate<float>(count));
+    std::vector<float> heap(count / 4 + 3);
+
+    phase("step");
+    for (int step = 0; step < steps; ++step) {
+      auto& buffer = buffers[static_cast<std::size_t>(step) % buffers.size()];
+      fill(buffer.span(), me, step);
+      group.all_reduce(buffer.span(), ddp::sum{});
+      check(buffer.span(), world, step, "shared-buffer");
+      fill(heap, me, step);
+      group.all_reduce(std::span<float>(heap), ddp::sum{});
+      check(heap, world, step, "heap-buffer");
+    }
+
+    phase("shutdown");
+    group.barrier();
+    buffers.clear();
+    group = ddp::group();
+    phase("done");
+    return 0;
+  } catch (const wrong_result& e) {
+    line(stderr, "wrong result: " + e.what);
+    return 3;
+  } catch (const std::exception& e) {
+    line(stderr, std::string("error: ") + e.what());
+    return 1;
+  }
+}
