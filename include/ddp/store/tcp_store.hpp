@@ -33,8 +33,6 @@
 // from several threads are serialized on the one connection. Neither a client nor a server may
 // be used across fork(): create them in the process that uses them (the socket would be shared).
 
-#include <sys/random.h>
-
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -52,6 +50,7 @@
 
 #include "ddp/store/detail/frame.hpp"
 #include "ddp/store/detail/hmac_sha256.hpp"
+#include "ddp/store/detail/secret.hpp"
 #include "ddp/store/detail/server_core.hpp"
 #include "ddp/store/detail/socket.hpp"
 #include "ddp/store/store.hpp"
@@ -62,24 +61,33 @@ using store_log_fn = std::function<void(const std::string&)>;
 
 namespace detail {
 
-/// options::token if set, else $DDP_STORE_TOKEN, else none ("").
-inline std::string resolve_token(const std::optional<std::string>& token) {
-  if (token) return *token;
-  const char* env = std::getenv("DDP_STORE_TOKEN");
-  return env != nullptr ? std::string(env) : std::string();
+/// The token a server or client uses, and why there is none when authentication is off.
+struct store_auth {
+  std::string token;       // empty: authentication off
+  std::string off_reason;  // when off: why, for the one line that says so
+  std::string derived_from;  // when derived: the secret's path, for hints (never the token)
+};
+
+/// options::token if given (empty: off); else off when DDP_STORE_AUTH=off; else $DDP_STORE_TOKEN
+/// when non-empty; else derived from the per-user secret and the job identity (secret.hpp); off
+/// when that secret cannot be made. An empty DDP_STORE_TOKEN counts as unset: a stray
+/// `export DDP_STORE_TOKEN=` must not open the store.
+inline store_auth resolve_auth(const std::optional<std::string>& token, std::string_view job) {
+  if (token) return {*token, token->empty() ? "options::token is empty" : "", ""};
+  if (const char* a = std::getenv("DDP_STORE_AUTH"); a != nullptr && *a != '\0') {
+    const std::string_view v(a);
+    if (v == "off" || v == "0" || v == "false" || v == "no") return {"", "DDP_STORE_AUTH=" + std::string(v), ""};
+    if (v != "on" && v != "1" && v != "true" && v != "yes")
+      throw error(errc::config, "DDP_STORE_AUTH='" + std::string(v) + "' (expected on or off)");
+  }
+  if (const char* env = std::getenv("DDP_STORE_TOKEN"); env != nullptr && *env != '\0') return {env, "", ""};
+  const std::string path = secret_path();
+  std::string why_not;
+  if (const auto secret = load_or_create_secret(path, why_not)) return {derive_token(*secret, job), "", path};
+  return {"", why_not, ""};
 }
 
 inline bool is_wildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "::" || host == "*"; }
-
-inline void random_bytes(std::span<std::byte> out) {
-  std::size_t done = 0;
-  while (done < out.size()) {
-    const ssize_t n = ::getrandom(out.data() + done, out.size() - done, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw error(errc::store, system_message("getrandom"));
-    done += static_cast<std::size_t>(n);
-  }
-}
 
 /// Who holds host:port, for the "already in use" message: a ddp store greets every new
 /// connection at once, so its hello names its job; anything else stays silent.
@@ -115,19 +123,21 @@ class tcp_store_server {
   struct options {
     std::string host = "127.0.0.1";
     std::uint16_t port = 0;            // 0: pick a free port (see port())
-    std::optional<std::string> token = {};  // nullopt: $DDP_STORE_TOKEN; empty: no authentication
+    std::optional<std::string> token = {};  // nullopt: see detail::resolve_auth; empty: no authentication
     std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
     store_log_fn log = {};  // default: "ddp: store server H:P: <reason>" on stderr
     std::string job = {};   // the job this store serves; empty: no identity check
   };
 
   explicit tcp_store_server(options opts) : host_(opts.host) {
-    const std::string token = detail::resolve_token(opts.token);
+    const auto auth = detail::resolve_auth(opts.token, opts.job);
+    const std::string& token = auth.token;
     const std::string wanted = detail::host_port(opts.host, opts.port);
+    // A derived token is as hard to guess as a given one, so it is enough for a wildcard address.
     if (detail::is_wildcard(opts.host) && token.empty()) {
-      throw error(errc::config, "refusing to listen on all interfaces (" + wanted +
-                                    ") without a token: set DDP_STORE_TOKEN, or give the address of one interface "
-                                    "(127.0.0.1 for a single host)");
+      throw error(errc::config, "refusing to listen on all interfaces (" + wanted + ") with authentication off (" +
+                                    auth.off_reason +
+                                    "): set DDP_STORE_TOKEN, or give the address of one interface (127.0.0.1 for a single host)");
     }
     listen_on(opts.host == "*" ? std::string() : opts.host, opts.port, opts.job);
     int pipe_fds[2];
@@ -137,6 +147,7 @@ class tcp_store_server {
     log_ = opts.log ? std::move(opts.log) : store_log_fn([addr = address()](const std::string& line) {
       std::fprintf(stderr, "ddp: store server %s: %s\n", addr.c_str(), line.c_str());
     });
+    if (token.empty()) log_("authentication is off (" + auth.off_reason + "): any local process can read and write this store");
     core_ = std::make_unique<detail::server_core>(
         detail::server_core::options{.token = token, .job = opts.job, .handshake_timeout = opts.handshake_timeout, .log = log_});
     thread_ = std::thread([this] { run(); });
@@ -333,20 +344,20 @@ class tcp_store final : public store {
     std::uint16_t port = 29500;  // with is_server, 0 picks a free port (see port())
     bool is_server = false;      // also run the server in this process (rank 0)
     std::chrono::milliseconds timeout = default_timeout();  // connecting, and every call
-    std::optional<std::string> token = {};                  // nullopt: $DDP_STORE_TOKEN
+    std::optional<std::string> token = {};                  // nullopt: see detail::resolve_auth
     store_log_fn log = {};                                  // the server's log, with is_server
     std::string job = {};                                   // this rank's job identity; empty: none
   };
 
   explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job) {
     set_timeout(opts.timeout);
-    const std::string token = detail::resolve_token(opts.token);
+    auth_ = detail::resolve_auth(opts.token, job_);
     if (opts.is_server) {
-      server_ = std::make_unique<tcp_store_server>(
-          tcp_store_server::options{.host = opts.host, .port = opts.port, .token = token, .log = std::move(opts.log), .job = opts.job});
+      server_ = std::make_unique<tcp_store_server>(tcp_store_server::options{
+          .host = opts.host, .port = opts.port, .token = opts.token, .log = std::move(opts.log), .job = opts.job});
       port_ = server_->port();
     }
-    connect(token, deadline::after(opts.timeout));
+    connect(auth_.token, deadline::after(opts.timeout));
   }
 
   tcp_store(const tcp_store&) = delete;
@@ -452,8 +463,18 @@ class tcp_store final : public store {
     }
     send_all(proof, until, op);
     std::array<std::byte, 1> verdict{};
-    recv_exact(verdict, until, op, " during the handshake (wrong or missing DDP_STORE_TOKEN?)");
-    if (verdict[0] != std::byte{1}) fail(errc::store, "store refused the connection: wrong or missing DDP_STORE_TOKEN", op);
+    recv_exact(verdict, until, op, " during the handshake (wrong or missing DDP_STORE_TOKEN?)" + auth_note());
+    if (verdict[0] != std::byte{1}) fail(errc::store, "store refused the connection: wrong or missing DDP_STORE_TOKEN" + auth_note(), op);
+  }
+
+  // Why this client's token may differ from the server's, for refusals; never the token itself.
+  std::string auth_note() const {
+    if (auth_.token.empty()) return " (authentication is off on this rank: " + auth_.off_reason + ")";
+    if (!auth_.derived_from.empty()) {
+      return " (the token is derived from " + auth_.derived_from + " and the job identity '" + job_ +
+             "': ranks on several hosts need the same secret file, e.g. a shared home, or one DDP_STORE_TOKEN)";
+    }
+    return {};
   }
 
   std::vector<std::byte> call(detail::opcode op, const std::vector<std::byte>& frame, const deadline& until,
@@ -528,6 +549,7 @@ class tcp_store final : public store {
   std::string host_;
   std::uint16_t port_;
   std::string job_;
+  detail::store_auth auth_;
   std::unique_ptr<tcp_store_server> server_;
   detail::unique_fd fd_;
   std::mutex mutex_;

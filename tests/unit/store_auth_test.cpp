@@ -1,0 +1,342 @@
+// tcp_store authentication by default: the per-user secret (made once, race-free, 0600, refused
+// when unsafe), the token derived from it, what happens without one, and the SHA-256/HMAC checked
+// against OpenSSL's.
+#include <dirent.h>
+#include <dlfcn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ddp/store/detail/hmac_sha256.hpp"
+#include "ddp/store/detail/secret.hpp"
+#include "ddp/store/tcp_store.hpp"
+#include "support/multiprocess.hpp"
+
+namespace ddp_test_store_auth {
+
+using namespace std::chrono_literals;
+namespace ds = ddp::store::detail;
+using ddp::store::tcp_store;
+using ddp::store::tcp_store_server;
+
+namespace {
+
+// Sets (or with nullopt unsets) an environment variable for a scope.
+struct scoped_env {
+  std::string name;
+  std::optional<std::string> old;
+  scoped_env(std::string n, const std::optional<std::string>& value) : name(std::move(n)) {
+    if (const char* v = std::getenv(name.c_str())) old = v;
+    if (value) ::setenv(name.c_str(), value->c_str(), 1);
+    else ::unsetenv(name.c_str());
+  }
+  ~scoped_env() {
+    if (old) ::setenv(name.c_str(), old->c_str(), 1);
+    else ::unsetenv(name.c_str());
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+};
+
+struct temp_dir {
+  std::string path;
+  temp_dir() {
+    char buf[] = "/tmp/ddp-auth-test-XXXXXX";
+    REQUIRE(::mkdtemp(buf) != nullptr);
+    path = buf;
+  }
+  ~temp_dir() { (void)std::system(("rm -rf '" + path + "'").c_str()); }
+  std::vector<std::string> entries(const std::string& sub) const {
+    std::vector<std::string> out;
+    if (DIR* d = ::opendir((path + "/" + sub).c_str())) {
+      while (const dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") out.emplace_back(e->d_name);
+      ::closedir(d);
+    }
+    return out;
+  }
+};
+
+struct log_capture {
+  std::mutex mutex;
+  std::vector<std::string> lines;
+  ddp::store::store_log_fn sink() {
+    return [this](const std::string& line) {
+      std::lock_guard g(mutex);
+      lines.push_back(line);
+    };
+  }
+  std::string all() {
+    std::lock_guard g(mutex);
+    std::string s;
+    for (const auto& l : lines) s += l + "\n";
+    return s;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("store secret: made on first use with mode 0600, then read back the same; the token is HMAC(secret, context | job)") {
+  temp_dir home;
+  const std::string path = home.path + "/cfg/ddp/secret";
+  std::string why;
+  const auto first = ds::load_or_create_secret(path, why);
+  REQUIRE(first.has_value());
+  struct stat st{};
+  REQUIRE(::stat(path.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+  CHECK(st.st_size == 32);
+  REQUIRE(::stat((home.path + "/cfg/ddp").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0077) == 0);  // the directory made for it is private too
+  const auto second = ds::load_or_create_secret(path, why);
+  REQUIRE(second.has_value());
+  CHECK(*first == *second);
+  CHECK(home.entries("cfg/ddp") == std::vector<std::string>{"secret"});  // no temporary left behind
+
+  // Reference: the HMAC spelled out over the documented message.
+  std::vector<std::byte> msg;
+  ds::put_bytes(msg, std::string_view("ddp-store-token"));
+  msg.push_back(std::byte{0});
+  ds::put_bytes(msg, std::string_view("slurm:7.0"));
+  CHECK(ds::derive_token(*first, "slurm:7.0") == ds::to_hex(ds::hmac_sha256(*first, msg)));
+  CHECK(ds::derive_token(*first, "slurm:7.0").size() == 64);
+  CHECK(ds::derive_token(*first, "slurm:7.0") != ds::derive_token(*first, "slurm:8.0"));
+}
+
+TEST_CASE("store secret: 8 processes starting at once agree on one secret") {
+  temp_dir home;
+  const std::string path = home.path + "/ddp/secret";
+  int go[2];
+  REQUIRE(::pipe(go) == 0);
+  constexpr int n = 8;
+  std::vector<int> outs(n);
+  std::vector<pid_t> pids;
+  for (int i = 0; i < n; ++i) {
+    int out[2];
+    REQUIRE(::pipe(out) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::close(go[1]);
+      char c;
+      (void)::read(go[0], &c, 1);  // every child blocks here until the parent closes the pipe
+      std::string why, text;
+      try {
+        const auto s = ds::load_or_create_secret(path, why);
+        text = s ? ds::to_hex(*s) : "none: " + why;
+      } catch (const std::exception& e) {
+        text = std::string("error: ") + e.what();
+      }
+      (void)::write(out[1], text.data(), text.size());
+      ::_exit(0);
+    }
+    ::close(out[1]);
+    outs[static_cast<std::size_t>(i)] = out[0];
+    pids.push_back(pid);
+  }
+  ::close(go[0]);
+  ::close(go[1]);  // start them all
+  std::vector<std::string> seen;
+  for (const int fd : outs) {
+    std::string text;
+    char buf[256];
+    ssize_t got;
+    while ((got = ::read(fd, buf, sizeof buf)) > 0) text.append(buf, static_cast<std::size_t>(got));
+    ::close(fd);
+    seen.push_back(text);
+  }
+  for (const pid_t pid : pids) ::waitpid(pid, nullptr, 0);
+  INFO("first: " << seen[0]);
+  CHECK(seen[0].size() == 64);
+  for (const auto& s : seen) CHECK(s == seen[0]);
+  CHECK(home.entries("ddp") == std::vector<std::string>{"secret"});
+}
+
+TEST_CASE("store secret: one that others may read, or of another owner, or damaged, is refused with errc::config") {
+  temp_dir home;
+  const std::string path = home.path + "/ddp/secret";
+  std::string why;
+  REQUIRE(ds::load_or_create_secret(path, why).has_value());
+  auto refused = [&](const std::string& fragment) {
+    try {
+      ds::load_or_create_secret(path, why);
+      FAIL("used an unsafe secret");
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::config);
+      CHECK_THAT(e.what(), Catch::Contains(path) && Catch::Contains(fragment));
+    }
+  };
+  REQUIRE(::chmod(path.c_str(), 0644) == 0);
+  refused("has mode 0644: others may read it; chmod 600");
+  REQUIRE(::chmod(path.c_str(), 0640) == 0);
+  refused("has mode 0640");
+  REQUIRE(::chmod(path.c_str(), 0600) == 0);
+  if (::geteuid() == 0) {
+    REQUIRE(::chown(path.c_str(), 12345, 12345) == 0);
+    refused("belongs to uid 12345, not to this user");
+    REQUIRE(::chown(path.c_str(), 0, 0) == 0);
+  } else {
+    WARN("SKIPPED (part): a secret of another owner needs root to make (chown)");
+  }
+  REQUIRE(::truncate(path.c_str(), 5) == 0);
+  refused("is 5 bytes, expected 32");
+  REQUIRE(::unlink(path.c_str()) == 0);
+  REQUIRE(::symlink("/etc/hostname", path.c_str()) == 0);
+  refused("symbolic link");
+}
+
+TEST_CASE("store secret: the path follows XDG_CONFIG_HOME, else HOME, else the passwd entry") {
+  {
+    scoped_env xdg("XDG_CONFIG_HOME", "/x/cfg");
+    CHECK(ds::secret_path() == "/x/cfg/ddp/secret");
+  }
+  scoped_env xdg("XDG_CONFIG_HOME", std::nullopt);
+  {
+    scoped_env home("HOME", "/x/home");
+    CHECK(ds::secret_path() == "/x/home/.config/ddp/secret");
+  }
+  scoped_env home("HOME", std::nullopt);
+  const passwd* pw = ::getpwuid(::geteuid());
+  if (pw != nullptr && pw->pw_dir != nullptr && pw->pw_dir[0] == '/') CHECK(ds::secret_path() == std::string(pw->pw_dir) + "/.config/ddp/secret");
+  else WARN("SKIPPED (part): this user has no passwd entry with a home");
+}
+
+TEST_CASE("tcp_store: authentication is on by default, from the per-user secret and the job identity") {
+  temp_dir home;
+  scoped_env xdg("XDG_CONFIG_HOME", home.path);
+  scoped_env token("DDP_STORE_TOKEN", std::nullopt);
+  scoped_env auth("DDP_STORE_AUTH", std::nullopt);
+  log_capture log;
+  tcp_store_server server({.port = 0, .log = log.sink(), .job = "slurm:9.0"});
+  tcp_store rank({.port = server.port(), .timeout = 5s, .job = "slurm:9.0"});
+  rank.set_string("k", "v");
+  CHECK(rank.get_string("k") == "v");
+  CHECK(log.all().empty());  // nothing to say when authentication is on
+
+  // The same secret and job from a forked rank: what ranks of one job on one host do.
+  const auto r = ddp::test::run_ranks(2, [&](int) {
+    tcp_store other({.port = server.port(), .timeout = 5s, .job = "slurm:9.0"});
+    ddp::test::check(other.get_string("k") == "v", "a forked rank reads the key");
+  });
+  INFO(r.describe());
+  CHECK(r.ok());
+
+  // A client without authentication, or with a token of its own, gets nothing.
+  try {
+    tcp_store open({.port = server.port(), .timeout = 5s, .token = std::string(), .job = "slurm:9.0"});
+    FAIL("a client without a token got in");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::store);
+    CHECK_THAT(e.what(), Catch::Contains("wrong or missing DDP_STORE_TOKEN") && Catch::Contains("options::token is empty"));
+  }
+  CHECK_THROWS_AS(tcp_store({.port = server.port(), .timeout = 5s, .token = std::string("guess"), .job = "slurm:9.0"}), ddp::error);
+  CHECK(rank.num_keys() == 1);
+  CHECK(log.all().find(ds::derive_token(*ds::read_secret(home.path + "/ddp/secret"), "slurm:9.0")) == std::string::npos);
+}
+
+TEST_CASE("tcp_store: DDP_STORE_AUTH=off, or a secret that cannot be made, turns authentication off with one line") {
+  scoped_env token("DDP_STORE_TOKEN", std::nullopt);
+  {
+    scoped_env auth("DDP_STORE_AUTH", "off");
+    log_capture log;
+    tcp_store_server server({.port = 0, .log = log.sink()});
+    tcp_store c({.port = server.port(), .timeout = 5s});
+    c.set_string("k", "v");
+    CHECK(log.all() == "authentication is off (DDP_STORE_AUTH=off): any local process can read and write this store\n");
+    CHECK_THROWS_AS(tcp_store_server({.host = "0.0.0.0", .port = 0, .log = log.sink()}), ddp::error);
+  }
+  {
+    scoped_env auth("DDP_STORE_AUTH", "maybe");
+    CHECK_THROWS_WITH(tcp_store_server({.port = 0}), Catch::Contains("DDP_STORE_AUTH='maybe' (expected on or off)"));
+  }
+  {  // a home that cannot hold the secret (as if read-only): the job still runs, and says why
+    scoped_env auth("DDP_STORE_AUTH", std::nullopt);
+    scoped_env xdg("XDG_CONFIG_HOME", "/dev/null/cfg");
+    log_capture log;
+    tcp_store_server server({.port = 0, .log = log.sink()});
+    tcp_store c({.port = server.port(), .timeout = 5s});
+    c.set_string("k", "v");
+    CHECK(c.get_string("k") == "v");
+    const std::string lines = log.all();
+    CHECK_THAT(lines, Catch::StartsWith("authentication is off (cannot create the store secret /dev/null/cfg/ddp/secret: mkdir"));
+    CHECK(std::count(lines.begin(), lines.end(), '\n') == 1);
+  }
+  {  // an empty DDP_STORE_TOKEN is unset, not "off"
+    temp_dir home;
+    scoped_env xdg("XDG_CONFIG_HOME", home.path);
+    scoped_env empty("DDP_STORE_TOKEN", "");
+    log_capture log;
+    tcp_store_server server({.port = 0, .log = log.sink()});
+    tcp_store c({.port = server.port(), .timeout = 5s});
+    CHECK(log.all().empty());
+    CHECK_THROWS_AS(tcp_store({.port = server.port(), .timeout = 5s, .token = std::string()}), ddp::error);
+  }
+}
+
+TEST_CASE("tcp_store: a derived token may listen on all interfaces") {
+  temp_dir home;
+  scoped_env xdg("XDG_CONFIG_HOME", home.path);
+  scoped_env token("DDP_STORE_TOKEN", std::nullopt);
+  scoped_env auth("DDP_STORE_AUTH", std::nullopt);
+  tcp_store_server server({.host = "0.0.0.0", .port = 0});
+  tcp_store c({.port = server.port(), .timeout = 5s});
+  c.set_string("k", "v");
+  CHECK(c.get_string("k") == "v");
+}
+
+// ---- our SHA-256/HMAC against OpenSSL's ----------------------------------------------------
+
+TEST_CASE("sha256 and hmac_sha256 equal OpenSSL's on random keys and messages of every length up to 300 bytes") {
+  void* lib = ::dlopen("libcrypto.so.3", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) lib = ::dlopen("libcrypto.so", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    WARN("SKIPPED: OpenSSL's libcrypto is not installed (apt-get install libssl3), so there is nothing to compare with");
+    return;
+  }
+  using sha256_fn = unsigned char* (*)(const unsigned char*, std::size_t, unsigned char*);
+  using evp_fn = const void* (*)();
+  using hmac_fn = unsigned char* (*)(const void*, const void*, int, const unsigned char*, std::size_t, unsigned char*, unsigned int*);
+  const auto sha = reinterpret_cast<sha256_fn>(::dlsym(lib, "SHA256"));
+  const auto evp = reinterpret_cast<evp_fn>(::dlsym(lib, "EVP_sha256"));
+  const auto hmac = reinterpret_cast<hmac_fn>(::dlsym(lib, "HMAC"));
+  if (sha == nullptr || evp == nullptr || hmac == nullptr) {
+    ::dlclose(lib);
+    WARN("SKIPPED: this libcrypto lacks SHA256/EVP_sha256/HMAC");
+    return;
+  }
+  std::mt19937 rng(2024);
+  int compared = 0;
+  for (std::size_t len = 0; len <= 300; ++len) {
+    std::vector<std::byte> msg(len), key(rng() % 200);
+    for (auto& b : msg) b = static_cast<std::byte>(rng());
+    for (auto& b : key) b = static_cast<std::byte>(rng());
+    ds::digest ref{};
+    sha(reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), reinterpret_cast<unsigned char*>(ref.data()));
+    REQUIRE(ds::sha256_of(msg) == ref);
+    unsigned int n = 0;
+    hmac(evp(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(msg.data()), msg.size(),
+         reinterpret_cast<unsigned char*>(ref.data()), &n);
+    REQUIRE(n == 32);
+    REQUIRE(ds::hmac_sha256(key, msg) == ref);
+    compared += 2;
+  }
+  std::vector<std::byte> big(1 << 20);  // across many blocks
+  for (auto& b : big) b = static_cast<std::byte>(rng());
+  ds::digest ref{};
+  sha(reinterpret_cast<const unsigned char*>(big.data()), big.size(), reinterpret_cast<unsigned char*>(ref.data()));
+  CHECK(ds::sha256_of(big) == ref);
+  ::dlclose(lib);
+  WARN("sha256/hmac_sha256: " << compared + 1 << " digests equal to OpenSSL's");
+}
+
+}  // namespace ddp_test_store_auth
