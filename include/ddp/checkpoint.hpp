@@ -52,7 +52,8 @@
 // The directory must be visible to every rank under the same path (one host, or a shared file
 // system). Device-memory parameters are refused: copy them to host first.
 // Test hook: DDP_CHECKPOINT_TEST_HOOK=ACTION:STEP:RANK:POINT[:FILE] makes that rank, while saving
-// that step, SIGKILL itself (ACTION kill) or wait until FILE.go exists or it is killed (pause),
+// that step, SIGKILL itself (ACTION kill) or wait until FILE.go exists, it receives a signal of
+// ddp::preemption or it is killed (pause),
 // at POINT = tmp (its file fsynced under the temporary name, not renamed), done (rank 0:
 // index.json in place, no DONE yet) or after (the checkpoint complete). With FILE the hook acts
 // once per job (the rank that creates FILE), also across restarts. Tests interrupt at exact
@@ -320,14 +321,16 @@ inline void test_point(std::string_view point) {
     ::close(fd);
   }
   if (h.action == "kill") ::raise(SIGKILL);
-  // Paused until FILE.go exists (or killed). The launcher's SIGTERM, when a test kills another
-  // rank, must still end it, so SIGTERM and SIGINT take their default action meanwhile.
+  // Paused until FILE.go exists, a preemption signal arrives (a scheduler's signal reaches every
+  // rank, this one too: the test learns of no delivery it could wait for) or killed. The
+  // launcher's SIGTERM, when a test kills another rank, must still end it, so SIGTERM and SIGINT
+  // take their default action meanwhile.
   struct sigaction dfl {}, old_term {}, old_int {};
   dfl.sa_handler = SIG_DFL;
   ::sigaction(SIGTERM, &dfl, &old_term);
   ::sigaction(SIGINT, &dfl, &old_int);
   const std::string go = h.once_file + ".go";
-  for (std::error_code ec; !std::filesystem::exists(go, ec);) ::usleep(1000);
+  for (std::error_code ec; !std::filesystem::exists(go, ec) && ddp::detail::preemption_signal.load() == 0;) ::usleep(1000);
   ::sigaction(SIGTERM, &old_term, nullptr);
   ::sigaction(SIGINT, &old_int, nullptr);
 }

@@ -8,7 +8,14 @@
 #   - the daemons are gone afterwards and nothing with "ddp" in its name is left in /dev/shm.
 #   - under `srun --mpi=pmi2` (which sets PMI_RANK/PMI_SIZE as well as SLURM_*), `ddprun --info`
 #     in each task reports the Slurm source with local ranks 0 and 1 (given DDPRUN and the plugin);
-# usage: slurm_test.sh TRAIN_DDP SOURCE_DIR [DDPRUN]
+# usage: slurm_test.sh [--requeue] TRAIN_DDP SOURCE_DIR [DDPRUN]
+# --requeue: instead, examples/slurm/train_ddp_requeue.sbatch (train_ddp --checkpoint-dir) is
+# submitted, held after its checkpoint of step 24 (epoch 2; DDP_CHECKPOINT_TEST_HOOK pause, which
+# a preemption signal ends) and preempted with `scancel --signal=USR1 --batch` as --signal=B:USR1
+# would; the batch shell forwards it to srun, the ranks save step 25 and exit 75, the script
+# requeues the job, and the requeued run resumes from step 25. Checked: the save and resume
+# lines, Restarts=1, COMPLETED with ExitCode=0:0, and the output file (both runs, appended) has
+# exactly PyTorch's three epoch lines, epoch 1 before the requeue and 2-3 after it.
 # Needs root. Without Slurm and munge installed it prints SKIPPED and exits 77, unless
 # DDP_TEST_INSTALL_SLURM=1, which apt-get installs slurm-wlm and munge first.
 # Every wait has a deadline, and all of them end within SLURM_TEST_BUDGET seconds (default 240) of
@@ -16,9 +23,12 @@
 # script and its traps with it). SLURM_TEST_TIMEOUT (default 150) bounds the job alone.
 # Every daemon this script starts is stopped on every exit path.
 set -uo pipefail
+mode=plain
+[ "${1:-}" = --requeue ] && { mode=requeue; shift; }
 train_ddp=${1:?usage: slurm_test.sh TRAIN_DDP SOURCE_DIR}
 src=${2:?usage: slurm_test.sh TRAIN_DDP SOURCE_DIR}
 sbatch_script=$src/examples/slurm/train_ddp.sbatch
+[ "$mode" = requeue ] && sbatch_script=$src/examples/slurm/train_ddp_requeue.sbatch
 golden=$src/tests/data/training.json
 job_timeout_s=${SLURM_TEST_TIMEOUT:-150}
 budget_end=$(($(date +%s) + ${SLURM_TEST_BUDGET:-240}))
@@ -32,6 +42,7 @@ within() { local left=$((budget_end - $(date +%s))); [ "$left" -lt "$1" ] && ech
 
 [ "$(id -u)" -eq 0 ] || skip "a private Slurm cluster (slurmd, munged) needs root"
 [ -x "$train_ddp" ] || fail "train_ddp '$train_ddp' is not an executable"
+train_ddp=$(readlink -f "$train_ddp")   # the job runs in another directory
 [ -f "$sbatch_script" ] || fail "no batch script at $sbatch_script"
 
 # A Slurm job's (or an allocation's) variables would point the client commands at another cluster.
@@ -85,7 +96,9 @@ our_processes() {
 }
 job_state() { scontrol show job "$1" -o 2>/dev/null | grep -oE 'JobState=[A-Z_]+' | cut -d= -f2; }
 job_active() {
-  case $(job_state "$1") in PENDING | CONFIGURING | RUNNING | COMPLETING | SUSPENDED | '') return 0 ;; esac
+  case $(job_state "$1") in
+    PENDING | CONFIGURING | RUNNING | COMPLETING | SUSPENDED | REQUEUED | REQUEUE_FED | REQUEUE_HOLD | RESIZING | SIGNALING | '') return 0 ;;
+  esac
   return 1
 }
 # stop NAME: SIGTERM, up to 10 s for it to exit, then SIGKILL.
@@ -108,7 +121,7 @@ show_logs() {
     [ -s "$f" ] && { echo "--- $name: ${f#"$work"/} (last 40 lines)"; tail -n 40 "$f"; }
   done
   if [ -z "$output_shown" ]; then
-    for f in "$work"/train_ddp-*.out; do [ -f "$f" ] && { echo "--- job output ${f#"$work"/}"; cat "$f"; }; done
+    for f in "$work"/train_ddp*-*.out; do [ -f "$f" ] && { echo "--- job output ${f#"$work"/}"; cat "$f"; }; done
   fi
 }
 cleanup() {
@@ -201,6 +214,9 @@ else
 fi
 ctld_port=$((port_base + ($$ % port_pairs) * 2)) slurmd_port=$((port_base + 1 + ($$ % port_pairs) * 2))
 mkdir -p "$work/state" "$work/spool"
+# A requeued job waits cred_expire seconds (default 120) before it may start again.
+auth_extra=
+[ "$mode" = requeue ] && auth_extra=,cred_expire=10
 : > "$work/plugstack.conf"   # no SPANK plugins from this host's /etc/slurm/plugstack.conf
 cat > "$conf" <<EOF
 ClusterName=ddptest
@@ -211,7 +227,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$socket
+AuthInfo=socket=$socket$auth_extra
 StateSaveLocation=$work/state
 SlurmdSpoolDir=$work/spool
 SlurmctldPidFile=$work/slurmctld.pid
@@ -242,6 +258,91 @@ start slurmd slurmd -D -f "$conf" -N "$host"
 node_idle() { scontrol show node "$host" -o | grep -qE 'State=IDLE( |$)'; }
 wait_for "idle node $host (scontrol show node)" 30 slurmd node_idle
 echo "cluster up after $(elapsed) s: slurmctld on port $ctld_port, slurmd on $slurmd_port, node $host with $cpus CPUs"
+
+# job_wait WHAT SECONDS COMMAND...: polls COMMAND until it succeeds; fails at the deadline (or the
+# budget's end) or when a daemon has exited.
+job_wait() {
+  local what=$1 seconds d deadline
+  seconds=$(within "$2")
+  shift 2
+  deadline=$(($(date +%s) + seconds))
+  until "$@" >/dev/null 2>&1; do
+    for d in slurmctld slurmd; do kill -0 "${daemon_pid[$d]}" 2>/dev/null || fail "$d exited while waiting for $what (job $job_id $(job_state "$job_id"))"; done
+    [ "$(date +%s)" -lt "$deadline" ] || fail "no $what after $seconds s (job $job_id $(job_state "$job_id"))"
+    sleep 0.2
+  done
+}
+golden_lines() {
+  python3 -c 'import json, sys
+print("\n".join(json.load(open(sys.argv[1]))["W2_real_torchrun_gloo"]["stdout_loss_lines"]))' "$golden"
+}
+
+if [ "$mode" = requeue ]; then
+  command -v python3 >/dev/null || skip "python3 is needed to read the golden lines of $golden"
+  expected=$(golden_lines) || fail "could not read the golden lines from $golden"
+  # W = 2, 1024 samples, batch 32: 16 steps per epoch. Checkpoints every 8 steps; rank 0 holds
+  # still right after checkpoint 24 (epoch 2, batch 8; epoch 1's line printed) until a preemption
+  # signal reaches it. The marker file tells this script it is there; the hook acts once per job,
+  # so the requeued run does not stop there again.
+  marker=$work/preempt-point ckpt=$work/checkpoints
+  out=$(cd "$work" && TRAIN_DDP=$train_ddp CHECKPOINT_DIR=$ckpt CHECKPOINT_EVERY=8 \
+        DDP_CHECKPOINT_TEST_HOOK=pause:24:0:after:$marker sbatch --parsable "$sbatch_script" --init-seed 0) ||
+    fail "sbatch failed: $out"
+  job_id=${out%%;*}
+  [[ "$job_id" =~ ^[0-9]+$ ]] || fail "sbatch printed '$out', not a job id"
+  output_file=$work/train_ddp_requeue-$job_id.out
+  echo "submitted job $job_id ($sbatch_script)"
+  held() { [ -e "$marker" ] && grep -q '^Epoch 1: ' "$output_file"; }
+  held_or_ended() { held || ! job_active "$job_id"; }
+  job_wait "hold after checkpoint 24 with epoch 1's line in $output_file" "$job_timeout_s" held_or_ended
+  held || fail "job $job_id ended ($(job_state "$job_id")) before it reached checkpoint 24"
+  job_state "$job_id" | grep -qx RUNNING || fail "job $job_id is $(job_state "$job_id") at the preemption point, not RUNNING"
+  [ -f "$ckpt/step-000000024/DONE" ] || fail "no complete checkpoint 24 at the preemption point: $(ls "$ckpt" 2>&1 | tr '\n' ' ')"
+  echo "job $job_id holds after checkpoint 24 ($(elapsed) s); scancel --signal=USR1 --batch $job_id"
+  timeout "$(within 20)" scancel --signal=USR1 --batch "$job_id" || fail "scancel --signal=USR1 --batch $job_id failed"
+  restarts() { scontrol show job "$job_id" -o 2>/dev/null | grep -oE 'Restarts=[0-9]+' | cut -d= -f2; }
+  requeued() { [ "$(restarts)" = 1 ]; }
+  requeued_or_ended() { requeued || ! job_active "$job_id"; }
+  job_wait "Restarts=1 (the job requeued)" 60 requeued_or_ended
+  requeued || fail "job $job_id ended ($(job_state "$job_id")) without being requeued"
+  echo "job $job_id requeued after $(elapsed) s ($(job_state "$job_id"))"
+  ended() { ! job_active "$job_id"; }
+  job_wait "end of the requeued run" "$job_timeout_s" ended
+  info=$(scontrol show job "$job_id")
+  echo "$info"
+  echo "--- $output_file"
+  cat "$output_file" 2>/dev/null || fail "the job wrote no output file $output_file"
+  output_shown=1
+  echo "---"
+  grep -qE '(^|[[:space:]])JobState=COMPLETED([[:space:]]|$)' <<< "$info" || fail "job $job_id ended $(job_state "$job_id"), not COMPLETED"
+  grep -qE '(^|[[:space:]])ExitCode=0:0([[:space:]]|$)' <<< "$info" || fail "job $job_id: $(grep -oE 'ExitCode=[^ ]+' <<< "$info"), not ExitCode=0:0"
+  grep -qE '(^|[[:space:]])Restarts=1([[:space:]]|$)' <<< "$info" || fail "job $job_id: $(grep -oE 'Restarts=[^ ]+' <<< "$info"), not Restarts=1"
+  # The story, in order: run 1, the forwarded signal, the agreed save of step 25, the requeue,
+  # run 2 resuming from step 25 (epoch 2, batch 9 done), and the epoch lines around it.
+  want=(
+    "^train_ddp_requeue.sbatch: job $job_id, run 1,"
+    "^Epoch 1: "
+    "^train_ddp_requeue.sbatch: SIGUSR1: forwarding it to srun"
+    "^train_ddp: preempted: saved checkpoint $ckpt/step-000000025; exiting with 75"
+    "^train_ddp_requeue.sbatch: preempted, checkpoint saved: scontrol requeue $job_id"
+    "^train_ddp_requeue.sbatch: job $job_id, run 2,"
+    "^train_ddp: resumed from checkpoint $ckpt/step-000000025 \(step 25: epoch 2, batch 9\)"
+    "^Epoch 2: "
+    "^Epoch 3: "
+  )
+  at=0
+  for w in "${want[@]}"; do
+    n=$(grep -nE -- "$w" "$output_file" | head -1 | cut -d: -f1)
+    [ -n "$n" ] || fail "no line matching '$w' in $output_file"
+    [ "$n" -gt "$at" ] || fail "the line matching '$w' (line $n) comes before an earlier event (line $at)"
+    at=$n
+  done
+  epochs=$(grep -E '^Epoch ' "$output_file")
+  [ "$epochs" = "$expected" ] || { echo "PyTorch printed:"; echo "$expected"; fail "the epoch lines of both runs differ from PyTorch's (W2_real_torchrun_gloo)"; }
+  echo "the three epoch lines of both runs equal PyTorch's (W2_real_torchrun_gloo in $golden)"
+  passed="job $job_id preempted by USR1 to the batch shell at step 25, requeued (Restarts=1), resumed from step 25, COMPLETED with ExitCode=0:0 and PyTorch's three epoch lines"
+  exit 0
+fi
 
 # What srun gives each task: rank, world and local rank, as ddp reads them.
 tasks=$(timeout "$(within 60)" srun --nodes=1 --ntasks=2 --cpus-per-task=1 bash -c 'echo "$SLURM_PROCID $SLURM_NTASKS $SLURM_LOCALID"' | sort) ||
