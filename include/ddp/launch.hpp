@@ -10,14 +10,26 @@
 //    and has PR_SET_PDEATHSIG(SIGKILL), so it dies with the launcher even on SIGKILL;
 //  - SIGINT / SIGTERM / SIGHUP sent to the launcher are forwarded to every worker's group; a
 //    second one kills them at once;
-//  - when a worker fails (non-zero exit or a signal) the launcher prints one line (one per
-//    worker when several are found failed at once), e.g.
+//  - every worker's stderr passes through a pipe of the launcher (unchanged, or prefixed with
+//    prefix_output), which keeps each worker's last non-empty line there;
+//  - when a worker fails (non-zero exit or a signal), the others get settle_period to end on
+//    their own (a peer that saw it die says so and exits), output still copied; then the
+//    launcher sends SIGTERM to the groups still running, and SIGKILL after grace_period;
+//  - when every worker has ended it names the root cause first: the earliest failure that is
+//    not a consequence of another (a worker killed by a signal, or whose last error line is not
+//    "peer rank N exited", "... closed the connection" and the like), else the earliest, then
+//    every other worker with a last line on stderr or a failure of its own, with that line:
+//      ddprun: root cause: rank 0 (local 0, pid 1233) was killed by signal 9 (Killed)
+//      ddprun: rank 1 (local 1, pid 1234) exited with code 1: ddp: rank 1: all_reduce #7 (...): peer rank 0 ...
+//      ddprun: rank 2 (local 2, pid 1235) was killed by signal 15 (Terminated), stopped by ddprun: ...
+//    A failure with nothing else to say is one line without "root cause: ", e.g.
 //      ddprun: rank 1 (local 1, pid 1234) exited with code 3
-//      ddprun: rank 0 (local 0, pid 1233) was killed by signal 9 (Killed)
-//    sends SIGTERM to the other groups and SIGKILL after grace_period;
+//    Why the settle period: the ranks notice a peer's death themselves, and a SIGTERM at the
+//    first failure would stop them before they say why, and stop the store host (rank 0)
+//    before it is reaped when its peers noticed its failure first;
 //  - when a worker ends, whatever is left in its process group is killed (no orphans).
-// The result's exit_code is 0 when every worker exited 0, else the first failing worker's
-// code (128 + signal for a signal), or 128 + the signal that stopped the launcher.
+// The result's exit_code is 0 when every worker exited 0, else the root cause's code
+// (128 + signal for a signal), or 128 + the signal that stopped the launcher.
 // launch() adds the restarts (max_restarts) and one DDP_STORE_TOKEN for the whole job.
 //
 // Supervision is one poll() loop over a signalfd (SIGCHLD and the forwarded signals) and the
@@ -82,6 +94,8 @@ struct launch_options {
   bool standalone = false;  // one node, master 127.0.0.1, a free port
   int max_restarts = 0;     // launch() restarts the whole group up to this many times
   std::chrono::milliseconds grace_period = std::chrono::seconds(5);  // SIGTERM -> SIGKILL
+  // First failure -> SIGTERM to the others, unless they all end before (see the top).
+  std::chrono::milliseconds settle_period = std::chrono::milliseconds(500);
   bool prefix_output = false;  // "[rank N] " before each line the workers print
   std::string name = "ddprun";  // how the launcher's own lines start
   std::vector<std::pair<std::string, std::string>> env;  // more variables for every worker
@@ -99,6 +113,8 @@ struct worker_status {
   int exit_code = 0;  // when signal == 0
   int signal = 0;     // the signal that ended it
   bool exec_failed = false;
+  bool stopped = false;     // it was still running when the launcher stopped the job
+  std::string last_error;   // its last non-empty line on stderr
   bool ok() const noexcept { return ended && signal == 0 && exit_code == 0; }
   /// The exit code a shell would report: the code, or 128 + signal.
   int code() const noexcept { return signal != 0 ? 128 + signal : exit_code; }
@@ -114,7 +130,7 @@ struct worker_status {
 struct launch_result {
   int exit_code = 0;
   std::vector<worker_status> workers;  // this node's workers, by local rank
-  int failed = -1;   // local rank of the first worker that failed on its own; -1 when none
+  int failed = -1;   // local rank of the root cause (see the top); -1 when none failed on its own
   int signal = 0;    // the signal that stopped the launcher; 0 when none
   int restarts = 0;  // restarts launch() made
   std::string master_addr;
@@ -143,6 +159,7 @@ inline void validate(const launch_options& o) {
   if (o.nnodes > 1 && o.master_port == 0) bad("a multi-node job needs a fixed --master-port, the same on every node");
   if (o.max_restarts < 0) bad("--max-restarts=" + std::to_string(o.max_restarts) + " must be at least 0");
   if (o.grace_period.count() < 0) bad("the grace period must not be negative");
+  if (o.settle_period.count() < 0) bad("the settle period must not be negative");
   if (static_cast<long long>(o.nproc_per_node) * o.nnodes > 1'000'000) bad("--nproc-per-node x --nnodes is too large");
 }
 
@@ -169,6 +186,9 @@ struct output_pipe {
   int target = STDOUT_FILENO;
   std::string prefix;
   std::string partial;  // a line not yet ended
+  bool keep_last = false;  // stderr: remember the last non-empty line
+  int worker = -1;         // its local rank
+  std::string last;
 
   /// Reads what is there; false at end of stream.
   bool pump() {
@@ -186,16 +206,36 @@ struct output_pipe {
     for (std::size_t nl; (nl = partial.find('\n', start)) != std::string::npos; start = nl + 1) {
       out += prefix;
       out.append(partial, start, nl + 1 - start);
+      remember(std::string_view(partial).substr(start, nl - start));
     }
     partial.erase(0, start);
     write_all(target, out);
     return true;
   }
   void flush() {
-    if (!partial.empty()) write_all(target, prefix + partial + "\n");
+    if (!partial.empty()) {
+      write_all(target, prefix + partial + "\n");
+      remember(partial);
+    }
     partial.clear();
   }
+  void remember(std::string_view line) {
+    if (!keep_last) return;
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t')) line.remove_suffix(1);
+    if (line.empty()) return;
+    constexpr std::size_t longest = 2000;  // a summary line, not a dump
+    last.assign(line.substr(0, longest));
+  }
 };
+
+/// Whether a worker's error line reports another rank's failure rather than a cause of its own.
+inline bool is_consequence(std::string_view line) {
+  for (std::string_view s : {"peer rank ", "closed the connection", "reset the connection", "was aborted",
+                             "aborted the communicator", "unusable after an earlier failure", "noticed by rank"}) {
+    if (line.find(s) != std::string_view::npos) return true;
+  }
+  return false;
+}
 
 }  // namespace detail
 
@@ -232,6 +272,46 @@ inline void check_not_one_of_many(const launch_options& o) {
                                     "--node-rank=$SLURM_NODEID ...), or let srun/mpirun start the ranks themselves");
     }
   }
+}
+
+/// After every worker has ended: takes each worker's last stderr line, picks the root cause
+/// among the workers that failed on their own (see the top) and prints the summary.
+inline void summarize(const launch_options& o, launch_result& result, const std::vector<output_pipe>& outputs,
+                      const std::vector<clock::time_point>& ended_at) {
+  for (const auto& p : outputs) {
+    if (p.keep_last && p.worker >= 0) result.workers[static_cast<std::size_t>(p.worker)].last_error = p.last;
+  }
+  if (result.failed < 0) return;
+  if (const auto& first = result.workers[static_cast<std::size_t>(result.failed)]; first.exec_failed || first.pid <= 0) return;
+  // Ordered by the time each was reaped, not by when its line was printed: a line printed long
+  // before the failure (progress on stderr) would otherwise look like the earliest failure.
+  const auto own_failure = [&](const worker_status& w) { return w.ended && !w.ok() && !w.stopped && !w.exec_failed; };
+  const auto cause_of_its_own = [](const worker_status& w) { return w.signal != 0 || !is_consequence(w.last_error); };
+  int root = -1, earliest = -1;
+  for (std::size_t i = 0; i < result.workers.size(); ++i) {
+    const auto& w = result.workers[i];
+    if (!own_failure(w)) continue;
+    const auto before = [&](int other) { return other < 0 || ended_at[i] < ended_at[static_cast<std::size_t>(other)]; };
+    if (before(earliest)) earliest = static_cast<int>(i);
+    if (cause_of_its_own(w) && before(root)) root = static_cast<int>(i);
+  }
+  if (root < 0) root = earliest;
+  if (root < 0) return;
+  result.failed = root;
+  const auto line_of = [&](const worker_status& w) {
+    std::string s = w.describe();
+    if (w.stopped) s += ", stopped by " + o.name;
+    if (!w.last_error.empty()) s += ": " + w.last_error;
+    return s;
+  };
+  std::vector<std::string> others;
+  for (const auto& w : result.workers) {
+    if (w.pid <= 0 || w.local_rank == root) continue;
+    if (own_failure(w) || !w.last_error.empty()) others.push_back(line_of(w));
+  }
+  const auto& cause = result.workers[static_cast<std::size_t>(root)];
+  log_line(o, (others.empty() ? "" : "root cause: ") + line_of(cause));
+  for (const auto& line : others) log_line(o, line);
 }
 
 }  // namespace detail
@@ -313,6 +393,8 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   int live = 0;
   bool stopping = false;
   deadline kill_at = deadline::never();
+  deadline settle_until = deadline::never();  // after the first failure, until SIGTERM
+  std::vector<clock::time_point> ended_at(static_cast<std::size_t>(nproc));
 
   // Sends sig to the process group of every worker that is still running.
   const auto signal_all = [&](int sig) {
@@ -321,6 +403,8 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   };
   const auto begin_stop = [&](int sig) {
     stopping = true;
+    for (auto& w : result.workers)
+      if (w.pid > 0 && !w.ended) w.stopped = true;
     signal_all(sig);
     kill_at = deadline::after(options.grace_period);
   };
@@ -331,10 +415,8 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     w.local_rank = local;
     auto [exec_read, exec_write] = detail::make_pipe();
     detail::unique_fd out_read, out_write, err_read, err_write;
-    if (options.prefix_output) {
-      std::tie(out_read, out_write) = detail::make_pipe();
-      std::tie(err_read, err_write) = detail::make_pipe();
-    }
+    if (options.prefix_output) std::tie(out_read, out_write) = detail::make_pipe();
+    std::tie(err_read, err_write) = detail::make_pipe();  // always: its last line goes in the summary
     std::fflush(nullptr);
     const pid_t pid = ::fork();
     if (pid < 0) {
@@ -383,16 +465,22 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       detail::log_line(options, "rank " + std::to_string(w.rank) + ": " + system_message("cannot execute '" + path + "'", err));
     }
     const std::string prefix = "[rank " + std::to_string(w.rank) + "] ";
-    if (out_read) outputs.push_back({std::move(out_read), STDOUT_FILENO, prefix, {}});
-    if (err_read) outputs.push_back({std::move(err_read), STDERR_FILENO, prefix, {}});
+    const auto add_output = [&](detail::unique_fd fd, int target, bool keep_last) {
+      auto& out = outputs.emplace_back();
+      out.fd = std::move(fd);
+      out.target = target;
+      if (options.prefix_output) out.prefix = prefix;
+      out.keep_last = keep_last;
+      out.worker = local;
+    };
+    if (out_read) add_output(std::move(out_read), STDOUT_FILENO, false);
+    add_output(std::move(err_read), STDERR_FILENO, true);
     if (w.exec_failed) break;
   }
 
-  // Records each worker that has ended; the first failure stops the others. Workers found
-  // failed in the same pass ended together as far as the launcher can tell (a killed rank and a
-  // peer that saw it die, say), so each gets its line; the first in rank order is the result.
+  // Records each worker that has ended. The first failure starts the settle period (the root
+  // cause is chosen when all have ended); its end, or a settle period of 0, stops the others.
   const auto reap = [&] {
-    const bool first_failure_pending = result.failed < 0 && !stopping;
     for (std::size_t i = 0; i < result.workers.size(); ++i) {
       auto& w = result.workers[i];
       if (w.pid <= 0 || w.ended) continue;
@@ -400,16 +488,17 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       const pid_t got = ::waitpid(w.pid, &status, WNOHANG);
       if (got != w.pid) continue;
       w.ended = true;
+      ended_at[i] = clock::now();
       --live;
       if (WIFSIGNALED(status)) w.signal = WTERMSIG(status);
       else if (WIFEXITED(status)) w.exit_code = WEXITSTATUS(status);
       ::kill(-w.pid, SIGKILL);  // what it left behind in its group
-      if (!w.ok() && first_failure_pending) {
-        if (result.failed < 0) result.failed = static_cast<int>(i);
-        if (!w.exec_failed) detail::log_line(options, w.describe());
-      }
+      if (!w.ok() && !w.stopped && result.failed < 0) result.failed = static_cast<int>(i);
     }
-    if (first_failure_pending && result.failed >= 0) begin_stop(SIGTERM);
+    if (result.failed >= 0 && !stopping && settle_until.is_never()) {
+      if (options.settle_period.count() == 0) begin_stop(SIGTERM);
+      else settle_until = deadline::after(options.settle_period);
+    }
   };
   deadline drain_until = deadline::never();
   while (true) {
@@ -428,6 +517,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       }
       break;
     }
+    if (live > 0 && !stopping && settle_until.expired()) begin_stop(SIGTERM);
     if (live > 0 && kill_at.expired()) {
       for (const auto& w : result.workers) {
         if (w.pid > 0 && !w.ended) {
@@ -448,7 +538,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
         which.push_back(i);
       }
     }
-    const deadline wake = live > 0 ? kill_at : drain_until;
+    const deadline wake = live > 0 ? (stopping ? kill_at : settle_until) : drain_until;
     const int ready = ::poll(fds.data(), fds.size(), wake.poll_timeout_ms());
     if (ready < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
     if (ready <= 0) continue;
@@ -470,6 +560,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     }
   }
 
+  detail::summarize(options, result, outputs, ended_at);
   if (result.signal != 0) result.exit_code = 128 + result.signal;
   else if (result.failed >= 0) result.exit_code = result.workers[static_cast<std::size_t>(result.failed)].exec_failed
                                                       ? 127
@@ -520,7 +611,8 @@ inline std::string launcher_usage(std::string_view name = "ddprun") {
   return "usage: " + n + " [options] program [args...]\n"
          "Starts --nproc-per-node copies of program with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,\n"
          "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) and DDP_STORE_TOKEN set. When one fails, the\n"
-         "others are stopped (SIGTERM, then SIGKILL after the grace period) and " + n + " exits with its code.\n"
+         "others get the settle period to end, then are stopped (SIGTERM, then SIGKILL after the grace period);\n"
+         + n + " names the root cause first, then every rank's last error line, and exits with the cause's code.\n"
          "Options (--flag value and --flag=value; '_' and '-' are the same in names):\n"
          "  --standalone              one node, rendezvous on 127.0.0.1 at a free port\n"
          "  --nnodes N                number of nodes (also N:N) [1]\n"
@@ -530,6 +622,8 @@ inline std::string launcher_usage(std::string_view name = "ddprun") {
          "  --master-port PORT        rendezvous port [29500; a free port with --standalone]\n"
          "  --max-restarts N          restart the whole worker group up to N times after a failure [0]\n"
          "  --grace-period SECONDS    time between SIGTERM and SIGKILL when stopping workers [5]\n"
+         "  --settle-period SECONDS   after a worker fails, time the others get to end on their own (and say\n"
+         "                            why) before SIGTERM; then the root cause is named first [0.5]\n"
          "  --prefix-output, --tee    prefix each output line with [rank N]\n"
          "  --no-python               accepted for torchrun compatibility (programs always run directly)\n"
          "  --rdzv-backend, --rdzv-endpoint, --rdzv-id, --rdzv-conf, --monitor-interval, --start-method,\n"
@@ -621,14 +715,15 @@ inline launcher_command parse_launcher_args(const std::vector<std::string>& args
       o.master_port = static_cast<int>(*p);
     } else if (flag == "--max-restarts") {
       o.max_restarts = number(flag, value(), 0);
-    } else if (flag == "--grace-period") {
+    } else if (flag == "--grace-period" || flag == "--settle-period") {
       const std::string v = value();
       char* end = nullptr;
       const double seconds = std::strtod(v.c_str(), &end);
       if (v.empty() || *end != '\0' || !(seconds >= 0) || seconds > 1e6) {
-        bad("--grace-period='" + v + "' is not a number of seconds");
+        bad(flag + "='" + v + "' is not a number of seconds");
       }
-      o.grace_period = std::chrono::milliseconds(static_cast<long long>(seconds * 1000 + 0.5));
+      (flag == "--grace-period" ? o.grace_period : o.settle_period) =
+          std::chrono::milliseconds(static_cast<long long>(seconds * 1000 + 0.5));
     } else if (flag == "--prefix-output") {
       no_value();
       o.prefix_output = true;

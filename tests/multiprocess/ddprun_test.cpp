@@ -2,6 +2,7 @@
 // its lines on stderr. The workers are this binary (tests/scripts/launch_worker.hpp).
 #include <catch2/catch.hpp>
 
+#include <poll.h>
 #include <signal.h>
 
 #include <chrono>
@@ -71,9 +72,10 @@ std::string bound_port(const std::string& text) {
   return all_digits(digits) ? digits : std::string{};
 }
 
-// "ddprun: rank R (local L, pid P) exited with code 1" with R, L in {0, 1}.
+// "ddprun: [root cause: ]rank R (local L, pid P) exited with code 1" with R, L in {0, 1}.
 bool is_rank_exit_line(const std::string& line) {
-  const auto w = words(line);
+  auto w = words(line);
+  if (w.size() > 2 && w[1] == "root" && w[2] == "cause:") w.erase(w.begin() + 1, w.begin() + 3);
   return w.size() == 11 && w[0] == "ddprun:" && w[1] == "rank" && (w[2] == "0" || w[2] == "1") &&
          (w[3] == "(local") && (w[4] == "0," || w[4] == "1,") && w[5] == "pid" && w[6].size() > 1 &&
          w[6].back() == ')' && all_digits(w[6].substr(0, w[6].size() - 1)) && w[7] == "exited" && w[8] == "with" &&
@@ -85,6 +87,55 @@ bool has_line_with_words(const std::string& text, const std::vector<std::string>
     if (words(line) == expected) return true;
   return false;
 }
+
+std::vector<std::string> launcher_lines(const std::string& text) {
+  std::vector<std::string> out;
+  for (const auto& line : lines(text))
+    if (line.rfind("ddprun: ", 0) == 0) out.push_back(line);
+  return out;
+}
+
+// A worker of this file (started as <binary> --ddprun-test-cause DIR N): the store host's failure
+// with its consequences reaped first. Every rank records its pid; rank 0 prints its own error and
+// marks it; the others then print a consequence ("store server ... closed the connection") and
+// exit 1; rank 0 exits 1 only once the launcher has reaped them (their /proc entries are gone),
+// so the launcher sees the consequences end before the cause.
+int cause_worker(const std::string& dir, int n) {
+  const int rank = std::atoi(ddp::test::env_or("RANK", "-1").c_str());
+  ddp::test::write_file_atomically(dir + "/" + std::to_string(rank) + ".pid", std::to_string(::getpid()) + " 0\n");
+  if (!ddp::test::wait_for_files(dir, ".pid", n, 60s)) return 99;
+  if (rank != 0) {
+    if (!ddp::test::wait_for_files(dir, ".failed", 1, 60s)) return 99;
+    std::fprintf(stderr, "ddp: rank %d: store.get: store server 127.0.0.1:1 closed the connection\n", rank);
+    return 1;
+  }
+  std::fprintf(stderr, "ddp: rank 0: the distinctive root cause 4711\n");
+  std::fflush(stderr);
+  ddp::test::write_file_atomically(dir + "/0.failed", "");
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  for (const auto& [r, pids] : ddp::test::recorded_pids(dir)) {
+    if (r == 0) continue;
+    if (!ddp::test::wait_process_end(pids[0], 60s)) return 99;
+    // Ended; now wait for the launcher to reap it (there is no event for that: poll, bounded).
+    while (!ddp::test::stat_fields(pids[0]).empty()) {
+      if (std::chrono::steady_clock::now() > until) return 99;
+      ::poll(nullptr, 0, 1);
+    }
+  }
+  return 1;
+}
+
+bool run_cause_worker_if_asked() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::vector<std::string> argv;
+  for (std::string a; std::getline(in, a, '\0');) argv.push_back(a);
+  if (argv.size() < 4 || argv[1] != "--ddprun-test-cause") return false;
+  const int code = cause_worker(argv[2], std::atoi(argv[3].c_str()));
+  std::fflush(nullptr);
+  ::_exit(code);
+}
+
+const bool cause_dispatch = run_cause_worker_if_asked();
 
 }  // namespace
 
@@ -152,6 +203,31 @@ TEST_CASE("ddprun: a worker killed by SIGKILL is reported as a signal") {
   REQUIRE(recorded.size() == 2);
   CHECK_THAT(p.err_text, Catch::Contains("ddprun: rank 1 (local 1, pid " + std::to_string(recorded.at(1)[0]) +
                                          ") was killed by signal 9 (Killed)\n"));
+  CHECK(ddp::test::survivors(all_pids(recorded), 5s).empty());
+}
+
+TEST_CASE("ddprun: when rank 0 fails first and the others as a consequence, the summary names rank 0 first") {
+  require_ddprun();
+  (void)cause_dispatch;
+  ddp::test::temp_dir dir;
+  // A long settle period: the test is about the order of the ends, not about their speed.
+  ddp::test::child_process p(
+      {ddprun_exe, "--nproc-per-node=3", "--settle-period=30", ddp::test::self_exe(), "--ddprun-test-cause", dir.path, "3"});
+  const int code = p.wait(60s);
+  INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
+  const auto recorded = ddp::test::recorded_pids(dir.path);
+  REQUIRE(recorded.size() == 3);
+  const auto pid = [&](int r) { return std::to_string(recorded.at(r)[0]); };
+  CHECK(code == 1);
+  // The workers' lines pass through unchanged; the summary follows, root cause first.
+  CHECK_THAT(p.err_text, Catch::Contains("\nddp: rank 0: the distinctive root cause 4711\n") ||
+                             Catch::StartsWith("ddp: rank 0: the distinctive root cause 4711\n"));
+  const std::string consequence = ": store.get: store server 127.0.0.1:1 closed the connection";
+  CHECK(launcher_lines(p.err_text) ==
+        std::vector<std::string>{
+            "ddprun: root cause: rank 0 (local 0, pid " + pid(0) + ") exited with code 1: ddp: rank 0: the distinctive root cause 4711",
+            "ddprun: rank 1 (local 1, pid " + pid(1) + ") exited with code 1: ddp: rank 1" + consequence,
+            "ddprun: rank 2 (local 2, pid " + pid(2) + ") exited with code 1: ddp: rank 2" + consequence});
   CHECK(ddp::test::survivors(all_pids(recorded), 5s).empty());
 }
 
@@ -272,22 +348,28 @@ TEST_CASE("ddprun: a bad environment gives one line on every rank and a non-zero
   };
   for (const auto& [name, value] : table) {
     INFO(name << "=" << value);
-    ddp::test::child_process p(ddprun({"--nproc-per-node=2", "--grace-period=5"}, {"check-env"}), {{name, value}});
+    ddp::test::child_process p(ddprun({"--nproc-per-node=2", "--grace-period=5", "--settle-period=30"}, {"check-env"}), {{name, value}});
     const int code = p.wait(30s);
     INFO("stdout:\n" << p.out_text << "stderr:\n" << p.err_text);
     CHECK(code == 1);
-    int worker_lines = 0, launcher_lines = 0;
+    int worker_lines = 0, summary_lines = 0;
+    const std::string error = "ddp: " + name + "='" + value + "'";
     for (const auto& line : lines(p.err_text)) {
-      if (line.rfind("ddp: " + name + "='" + value + "'", 0) == 0) ++worker_lines;
-      else if (is_rank_exit_line(line)) ++launcher_lines;
-      else FAIL_CHECK("unexpected line: " << line);
+      if (line.rfind(error, 0) == 0) {
+        ++worker_lines;
+      } else if (is_rank_exit_line(line.substr(0, line.find(": " + error)))) {
+        // The summary: "[root cause: ]rank R (local R, pid P) exited with code 1: <its line>".
+        CHECK_THAT(line, Catch::Contains(": " + error));
+        ++summary_lines;
+      } else {
+        FAIL_CHECK("unexpected line: " << line);
+      }
     }
-    // The first failing rank stops the other, which may or may not have got to its check; the
-    // launcher names every rank it finds failed in the same pass (one or both), never one that
-    // printed nothing.
-    CHECK(worker_lines >= 1);
-    CHECK(launcher_lines >= 1);
-    CHECK(launcher_lines <= worker_lines);
+    // Each rank fails on its own within the settle period: each says why, and the summary
+    // repeats every rank's line, the first as the root cause.
+    CHECK(worker_lines == 2);
+    CHECK(summary_lines == 2);
+    CHECK(launcher_lines(p.err_text).at(0).rfind("ddprun: root cause: rank ", 0) == 0);
   }
 }
 

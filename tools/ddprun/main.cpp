@@ -1,7 +1,8 @@
 // ddprun: torchrun's command line over ddp::launch.
 //   ddprun --standalone --nproc-per-node=2 ./train_ddp
-// Bad options print one line and exit 2; a failed worker's exit code (or 128 + signal)
-// becomes ddprun's.
+// Bad options print one line and exit 2. When a worker fails, ddprun names the root cause first,
+// then every rank's last error line (see <ddp/launch.hpp>), and the cause's exit code (or
+// 128 + signal) becomes ddprun's.
 #include <dlfcn.h>
 
 #include <cstdio>
