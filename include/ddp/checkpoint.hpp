@@ -41,6 +41,23 @@
 //  - load() compares what the caller's state expects with what the checkpoint holds (world size,
 //    each tensor's presence, dtype and shape) and names every difference in one errc::config
 //    error. Corrupted or unreadable files are errc::invalid_argument.
+//  - A checkpoint of another world size (W saved, W' loading) is refused by default: per-rank
+//    state (RNG streams, loss sums, ZeRO's optimizer shards) has no meaning for a rank that did
+//    not write it. With load_options::allow_world_size_change it loads (elastic resume):
+//      * replicated tensors (parameters, replicated optimizer state) load as usual: every rank
+//        held the same values, so they reshard to any W';
+//      * per-rank tensors are not loaded: they are left as they are and named in
+//        loaded::not_loaded (a caller that wants rank r's records reads them with
+//        load(ckpt, r, loaded::world_size, records));
+//      * the sampler restarts the interrupted epoch: st.sampler = {seed, epoch, 0}, and
+//        loaded::saved_sampler keeps what was saved. Why not continue mid-epoch: a
+//        DistributedSampler gives rank r the positions r, r + W, ... of the epoch's permutation,
+//        so the batches a W' job would still have to take are not a suffix of its own per-rank
+//        sequences (and PyTorch's sampler has no position to continue from). Restarting the epoch
+//        skips no sample; the finished steps of that epoch stay in the parameters, and their
+//        samples are seen once more. Why not skip to the next epoch: it would leave samples of
+//        that epoch unseen. Save at an epoch's end as {epoch + 1, 0} (after its last step), as
+//        train_ddp does, so that a finished epoch is never repeated.
 //    latest() reads every file of the checkpoints it checks: call it once, on one rank.
 //  - CRC-32 (zlib's) rather than a cryptographic hash: it guards against torn and damaged files,
 //    not against an adversary, and Python checks it with zlib.crc32 (the SHA-256 in store/detail
@@ -227,9 +244,18 @@ struct info {
 /// What load() read besides the tensors.
 struct loaded {
   std::int64_t step = 0;
-  int world_size = 0;
-  sampler_position sampler{};
+  int world_size = 0;                   // the world size that saved it
+  sampler_position sampler{};           // where to resume (the saved position, or the epoch's start)
   std::map<std::string, std::string> metadata;
+  bool world_size_changed = false;      // world_size differs from the loading job's
+  sampler_position saved_sampler{};     // as saved
+  std::vector<std::string> not_loaded;  // per-rank entries left as they were (world size changed)
+};
+
+struct load_options {
+  /// Load a checkpoint saved by a job of another world size: replicated entries only, and the
+  /// interrupted epoch restarts (see the header comment). Off: such a checkpoint is errc::config.
+  bool allow_world_size_change = false;
 };
 
 struct save_options {
@@ -534,7 +560,9 @@ std::filesystem::path save(Group& group, const std::filesystem::path& dir, std::
 /// entry must be present with its dtype and shape (entries made by add_vector / add_bytes take any
 /// length). All differences are named in one errc::config error before anything is written.
 /// Tensors in the checkpoint that `st` does not name are ignored.
-inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, state& st) {
+/// With options.allow_world_size_change, a checkpoint of another world size loads its replicated
+/// entries, and the sampler restarts the interrupted epoch (the header comment says why).
+inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, state& st, load_options options = {}) {
   const auto bad = [&](const std::string& what) {
     return error(errc::invalid_argument, "checkpoint " + ckpt.string() + ": " + what, {.op = "checkpoint.load"});
   };
@@ -544,11 +572,13 @@ inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, 
   } catch (const std::exception& e) {
     throw bad(e.what());
   }
-  if (idx.world_size != world_size)
+  const bool changed = idx.world_size != world_size;
+  if (changed && !options.allow_world_size_change)
     throw error(errc::config,
                 "checkpoint " + ckpt.string() + " was saved by a job of world size " + std::to_string(idx.world_size) +
                     ", this job has world size " + std::to_string(world_size) +
-                    " (per-rank state and the sampler position need the same world size)",
+                    " (per-rank state and the sampler position need the same world size; "
+                    "load_options::allow_world_size_change loads the replicated state and restarts the interrupted epoch)",
                 {.op = "checkpoint.load"});
   const auto read = [&](const std::string& name) {
     auto bytes = detail::read_file(ckpt / name);
@@ -559,17 +589,23 @@ inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, 
     return std::move(*bytes);
   };
   const auto shared_bytes = read(std::string(replicated_file));
-  const auto own_bytes = read(rank_file(rank));
+  // After a world-size change this rank's file is not read: it may not exist, and it is another rank's.
+  const auto own_bytes = changed ? std::vector<std::byte>{} : read(rank_file(rank));
   detail::safetensors_file shared, own;
   try {
     shared = detail::decode_safetensors(shared_bytes);
-    own = detail::decode_safetensors(own_bytes);
+    if (!changed) own = detail::decode_safetensors(own_bytes);
   } catch (const std::exception& e) {
     throw bad(e.what());
   }
   std::string diff;
   std::vector<std::pair<const entry*, const detail::tensor_in*>> plan;
+  std::vector<std::string> not_loaded;
   for (const auto& e : st.entries) {
+    if (changed && e.where == scope::per_rank) {
+      not_loaded.push_back(e.name);
+      continue;
+    }
     const auto& file = e.where == scope::replicated ? shared : own;
     const std::string where = e.where == scope::replicated ? std::string(replicated_file) : rank_file(rank);
     const auto* t = file.find(e.name);
@@ -598,9 +634,12 @@ inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, 
     else if (!t->data.empty())
       std::memcpy(e->data.data(), t->data.data(), t->data.size());
   }
-  st.sampler = idx.sampler;
+  const sampler_position resume =
+      changed ? sampler_position{.seed = idx.sampler.seed, .epoch = idx.sampler.epoch, .batches_done = 0} : idx.sampler;
+  st.sampler = resume;
   st.metadata = idx.metadata;
-  return {.step = idx.step, .world_size = idx.world_size, .sampler = idx.sampler, .metadata = idx.metadata};
+  return {.step = idx.step, .world_size = idx.world_size, .sampler = resume, .metadata = idx.metadata,
+          .world_size_changed = changed, .saved_sampler = idx.sampler, .not_loaded = std::move(not_loaded)};
 }
 
 }  // namespace ddp::checkpoint

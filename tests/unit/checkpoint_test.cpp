@@ -1,6 +1,7 @@
 // ddp/checkpoint.hpp: round trips (W = 1 and W = 2, 4 as threads of one process), latest()
 // skipping partial and damaged checkpoints, keep-K pruning, the messages of a mismatched load,
-// the safetensors layout, the sampler's batches_from, generator state bytes, and preemption's flag.
+// the safetensors layout, the sampler's batches_from, generator state bytes, preemption's flag, and
+// the elastic load (a world-size change, when allowed).
 
 #include <ddp/checkpoint.hpp>
 #include <ddp/sampler.hpp>
@@ -318,6 +319,48 @@ TEST_CASE("checkpoint: load names every difference of shape, dtype, missing tens
     CHECK(e.code() == ddp::errc::config);
     CHECK(std::string(e.what()).find("saved by a job of world size 2, this job has world size 4") != std::string::npos);
   }
+}
+
+TEST_CASE("checkpoint: a world-size change loads the replicated state and restarts the interrupted epoch, when allowed") {
+  for (const auto& [saved, loading] : {std::pair{4, 2}, std::pair{2, 4}, std::pair{2, 1}}) {
+    temp_dir dir;
+    save_world(dir.path, saved, 40, 9);  // sampler {seed 3, epoch 2, 5 batches done}
+    const auto path = ckpt::step_path(dir.path, 40);
+    for (int r = 0; r < loading; ++r) {
+      const rank_state expected(0, 9);  // the replicated entries are rank 0's (every rank's) values
+      rank_state got(r, 1), untouched(r, 1);
+      auto st = got.state();
+      CHECK_THROWS_AS(ckpt::load(path, r, loading, st), ddp::error);  // the default refuses
+      CHECK(got.w == untouched.w);
+      const auto info = ckpt::load(path, r, loading, st, {.allow_world_size_change = true});
+      CHECK(info.world_size_changed);
+      CHECK(info.world_size == saved);
+      CHECK(got.w == expected.w);
+      CHECK(got.b == expected.b);
+      CHECK(got.momentum == expected.momentum);
+      // Per-rank state is another rank's: left as it was, and named.
+      CHECK(got.history == untouched.history);
+      CHECK(got.gen.state() == untouched.gen.state());
+      CHECK(got.engine == untouched.engine);
+      CHECK(info.not_loaded == std::vector<std::string>{"train.history", "rng.torch", "rng.mt19937"});
+      CHECK(info.saved_sampler == ckpt::sampler_position{.seed = 3, .epoch = 2, .batches_done = 5});
+      CHECK(info.sampler == ckpt::sampler_position{.seed = 3, .epoch = 2, .batches_done = 0});
+      CHECK(st.sampler == info.sampler);
+      CHECK(info.step == 40);
+    }
+  }
+  // The same world size with the option set: everything loads, the position is kept.
+  temp_dir dir;
+  save_world(dir.path, 2, 8, 9);
+  rank_state got(1, 1);
+  const rank_state expected(1, 9);
+  auto st = got.state();
+  const auto info = ckpt::load(ckpt::step_path(dir.path, 8), 1, 2, st, {.allow_world_size_change = true});
+  CHECK(!info.world_size_changed);
+  CHECK(info.not_loaded.empty());
+  CHECK(got.history == expected.history);
+  CHECK(got.gen.state() == expected.gen.state());
+  CHECK(info.sampler == ckpt::sampler_position{.seed = 3, .epoch = 2, .batches_done = 5});
 }
 
 TEST_CASE("checkpoint: the test hook crashes nothing unless asked, and refuses device parameters") {
