@@ -5,7 +5,8 @@
 // Input: byte 0 = flags (bit 0: the server has a token; bits 1-2: how many of the 4 virtual
 // connections start already authenticated), then commands; command byte c:
 //   c & 3 = connection, (c >> 2) & 3 = action:
-//     0 receive: next byte n, then n bytes given to the connection (also parsed alone, see below)
+//     0 receive: next byte n, then n bytes, of which the connection is given as many as
+//                input_allowance() lets the socket loop read (all are also parsed alone, see below)
 //     1 drain:   next byte b, up to 16*b bytes of the connection's output are "written"
 //     2 time:    next byte b, the clock moves 10*b ms and expire() runs
 //     3 reopen:  the connection is closed and a fresh one opened
@@ -72,19 +73,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     nonce[0] = static_cast<std::byte>(ids[slot]);
     core.open(ids[slot], "fuzz:" + std::to_string(slot), nonce, now);
     if (slot < pre_authenticated) {
-      auto hello = ds::encode_client_hello(ds::protocol_version, "fuzz-job");
-      std::array<std::byte, ds::proof_bytes> proof{};
-      if (with_token) {
-        std::vector<std::byte> msg;
-        ds::put_bytes(msg, ds::auth_context);
-        ds::put_bytes(msg, nonce);
-        proof = ds::hmac_sha256(std::as_bytes(std::span(token.data(), token.size())), msg);
-      }
-      hello.insert(hello.end(), proof.begin(), proof.end());
-      core.receive(ids[slot], hello, now);
+      ds::nonce mine{};
+      mine[1] = static_cast<std::byte>(ids[slot]);
+      core.receive(ids[slot], ds::encode_client_hello(mine), now);
+      const auto hello = core.output(ids[slot]);
+      require(hello.size() == ds::server_hello_bytes);
+      // The server proves the token (when it has one) before the client says anything more.
+      const auto expected = ds::server_proof(with_token ? token : std::string(), mine, nonce);
+      require(ds::constant_time_equal(ds::server_hello_proof(hello), expected));
+      const auto proof = ds::client_proof(with_token ? token : std::string(), ds::server_hello_nonce(hello), mine);
+      core.sent(ids[slot], hello.size(), now);
+      core.receive(ids[slot], ds::encode_client_proof(proof, "fuzz-job"), now);
       require(!core.closing(ids[slot]));
-      const auto out = core.output(ids[slot]);  // server hello + accepted verdict
-      require(out.size() == ds::server_hello_bytes + 1 && out.back() == std::byte{1});
+      const auto out = core.output(ids[slot]);  // the accepted verdict
+      require(out.size() == 1 && out.back() == std::byte{1});
       core.sent(ids[slot], out.size(), now);
     }
   };
@@ -101,7 +103,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         const std::span<const std::byte> chunk(in + at, n);
         at += n;
         check_parser(chunk);
-        core.receive(ids[slot], chunk, now);
+        // As the socket loop does: no more than the core allows.
+        core.receive(ids[slot], chunk.first(std::min(chunk.size(), core.input_allowance(ids[slot]))), now);
         break;
       }
       case 1: {
@@ -120,6 +123,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     require(core.num_parked() <= core.num_connections());
     require(core.num_connections() <= 4);
+    require(core.num_unauthenticated() <= core.num_connections());
+    require(core.reserved_bytes() <= ds::server_core::default_frame_budget);
+    // Unauthenticated connections hold at most one handshake message in and out.
+    require(core.unauthenticated_bytes() <= 4 * 4 * (ds::client_proof_bytes + ds::server_hello_bytes + ds::version_notice_bytes));
   }
   return 0;
 }

@@ -15,6 +15,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ddp/store/detail/hmac_sha256.hpp"
@@ -337,6 +338,88 @@ TEST_CASE("sha256 and hmac_sha256 equal OpenSSL's on random keys and messages of
   CHECK(ds::sha256_of(big) == ref);
   ::dlclose(lib);
   WARN("sha256/hmac_sha256: " << compared + 1 << " digests equal to OpenSSL's");
+}
+
+}  // namespace ddp_test_store_auth
+
+// ---- mutual authentication ----------------------------------------------------------------
+
+namespace ddp_test_store_auth {
+
+namespace {
+
+// A listener on a free port that plays a server which does not know the token: it answers a
+// client's hello with `reply` and records every byte the client sends until it hangs up.
+struct impostor {
+  ds::unique_fd listener;
+  std::uint16_t port = 0;
+  std::vector<std::byte> received;
+  std::thread thread;
+  explicit impostor(std::vector<std::byte> reply) {
+    listener.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    REQUIRE(::listen(listener.get(), 4) == 0);
+    socklen_t len = sizeof addr;
+    ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+    thread = std::thread([this, reply = std::move(reply)] {
+      ds::unique_fd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!c) return;
+      std::vector<std::byte> hello(ds::client_hello_bytes);
+      if (ds::recv_exact_by(c.get(), hello, ddp::deadline::after(5s)).status != ds::transfer_status::done) return;
+      received = hello;
+      (void)ds::send_all_by(c.get(), reply, ddp::deadline::after(5s));
+      std::byte buf[4096];
+      const auto until = ddp::deadline::after(5s);
+      while (ds::poll_one(c.get(), POLLIN, until) != 0) {
+        const ssize_t n = ::recv(c.get(), buf, sizeof buf, MSG_DONTWAIT);
+        if (n <= 0) break;
+        received.insert(received.end(), buf, buf + n);
+      }
+    });
+  }
+  ~impostor() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("tcp_store: a server that cannot prove it knows the token learns nothing but a nonce") {
+  const std::string where_prefix = "the store at 127.0.0.1:";
+  ds::nonce n{};
+  ds::random_bytes(n);
+  const ds::digest made_up{};
+  for (const bool claims_token : {true, false}) {
+    impostor fake(ds::encode_server_hello(claims_token, n, made_up, "slurm:5.0"));
+    try {
+      tcp_store c({.port = fake.port, .timeout = 5s, .token = std::string("the-job-token"), .job = "slurm:5.0"});
+      FAIL("the client accepted a server without its token");
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::store);
+      CHECK_THAT(e.what(), Catch::Contains(where_prefix + std::to_string(fake.port) +
+                                           " does not know this job's token: another job or a stranger holds the port"));
+      CHECK_THAT(e.what(), !Catch::Contains("the-job-token"));
+    }
+    fake.thread.join();
+    // The client's hello (magic, version, its nonce) and nothing after it: no proof, no job.
+    CHECK(fake.received.size() == ds::client_hello_bytes);
+    const std::string all(reinterpret_cast<const char*>(fake.received.data()), fake.received.size());
+    CHECK(all.find("slurm:5.0") == std::string::npos);
+  }
+}
+
+TEST_CASE("tcp_store: a server of protocol version 2 is named as such by a client of this version") {
+  std::vector<std::byte> v2_hello;
+  ds::put_le(v2_hello, ds::protocol_magic);
+  ds::put_le(v2_hello, std::uint16_t{2});
+  v2_hello.resize(ds::version_notice_bytes, std::byte{0});
+  impostor old(v2_hello);
+  CHECK_THROWS_WITH(tcp_store({.port = old.port, .timeout = 5s, .token = std::string("t")}),
+                    Catch::Contains("speaks protocol version 2, this client 3 (mixed ddp versions?)"));
 }
 
 }  // namespace ddp_test_store_auth

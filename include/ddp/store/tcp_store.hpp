@@ -11,15 +11,20 @@
 // or hostile client never holds up the others. get() of a missing key and wait() are parked
 // server side and answered when the keys appear (or the client's timeout passes): clients never
 // poll. It binds exactly the address it is given (127.0.0.1 by default) and refuses a wildcard
-// address (0.0.0.0, ::) unless a token is set. Port 0 picks a free port; port() tells which.
-// Protocol, limits and the parser: store/detail/frame.hpp; the protocol logic: detail/server_core.hpp.
+// address (0.0.0.0, ::) unless authentication is on. Port 0 picks a free port; port() tells which.
+// Protocol, limits and the parser: store/detail/frame.hpp; the protocol logic and the bounds on
+// what clients can make it buffer (idle and unfinished connections): detail/server_core.hpp.
 // A connection that sends a malformed, oversized or unauthenticated frame is closed with one
 // line on stderr (or options::log) naming the peer and the reason; the server keeps serving.
 //
-// Authentication: with a token (options::token, else the environment's DDP_STORE_TOKEN), the
-// server sends a random nonce and the client must answer HMAC-SHA256(token, context | nonce)
-// before any key traffic; the server compares in constant time. The token is never sent, logged
-// or put in an error message.
+// Authentication, on by default (detail::resolve_auth): the token is options::token, else
+// $DDP_STORE_TOKEN, else derived from a per-user secret file and the job identity
+// (detail/secret.hpp); DDP_STORE_AUTH=off, an empty options::token, or a secret that cannot be
+// made turn it off, and the server says so in one line. It is mutual (frame.hpp): the server
+// proves it knows the token, bound to the client's nonce, before the client sends its own proof
+// or anything about itself; then the client proves it, bound to the server's nonce, before any
+// key traffic. Both compare in constant time. The token is never sent, logged or put in an error
+// message. There is no per-message integrity: after the handshake, frames travel as they are.
 //
 // Job identity: a server and a client given one (options::job, from launch_environment::job_id)
 // refuse each other when they differ: the client fails with errc::config naming both jobs and the
@@ -99,12 +104,22 @@ inline std::string describe_port_holder(const std::string& host, std::uint16_t p
   } catch (const error&) {
     return " (another job or a leftover process?)";
   }
+  nonce probe{};
+  random_bytes(probe);
+  const auto until = deadline::after(std::chrono::milliseconds(300));
   std::array<std::byte, server_hello_bytes> hello{};
-  const auto got = recv_exact_by(fd.get(), hello, deadline::after(std::chrono::milliseconds(300)));
+  // A ddp store of any version greets with magic and version (an older one without being asked).
+  (void)send_all_by(fd.get(), encode_client_hello(probe), until);
+  const auto got = recv_exact_by(fd.get(), std::span(hello).first(8), until);
   if (got.status != transfer_status::done || get_le<std::uint32_t>(hello.data()) != protocol_magic) {
     return " by a program that is not a ddp store (under torchrun: its agent's TCPStore, which ddp joins when "
            "TORCHELASTIC_USE_AGENT_STORE=True; else another program or a PyTorch job)" + mine;
   }
+  if (const auto version = get_le<std::uint16_t>(hello.data() + 4); version != protocol_version) {
+    return " by a ddp store of protocol version " + std::to_string(version) + " (another ddp version: another job or a leftover process)" + mine;
+  }
+  if (recv_exact_by(fd.get(), std::span(hello).subspan(8), until).status != transfer_status::done)
+    return " by a ddp store that did not finish its greeting" + mine;
   const std::string theirs = server_hello_job(hello);
   if (theirs.empty()) return " by the ddp store of another job or a leftover process" + mine;
   if (theirs == job_field_text(my_job)) {
@@ -124,9 +139,13 @@ class tcp_store_server {
     std::string host = "127.0.0.1";
     std::uint16_t port = 0;            // 0: pick a free port (see port())
     std::optional<std::string> token = {};  // nullopt: see detail::resolve_auth; empty: no authentication
-    std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
+    std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
     store_log_fn log = {};  // default: "ddp: store server H:P: <reason>" on stderr
     std::string job = {};   // the job this store serves; empty: no identity check
+    // The bounds of detail/server_core.hpp ("Bounds").
+    std::chrono::milliseconds frame_timeout = std::chrono::seconds(60);
+    std::size_t frame_budget = detail::server_core::default_frame_budget;
+    std::size_t max_unauthenticated = 512;
   };
 
   explicit tcp_store_server(options opts) : host_(opts.host) {
@@ -148,8 +167,13 @@ class tcp_store_server {
       std::fprintf(stderr, "ddp: store server %s: %s\n", addr.c_str(), line.c_str());
     });
     if (token.empty()) log_("authentication is off (" + auth.off_reason + "): any local process can read and write this store");
-    core_ = std::make_unique<detail::server_core>(
-        detail::server_core::options{.token = token, .job = opts.job, .handshake_timeout = opts.handshake_timeout, .log = log_});
+    core_ = std::make_unique<detail::server_core>(detail::server_core::options{.token = token,
+                                                                               .job = opts.job,
+                                                                               .handshake_timeout = opts.handshake_timeout,
+                                                                               .log = log_,
+                                                                               .frame_timeout = opts.frame_timeout,
+                                                                               .frame_budget = opts.frame_budget,
+                                                                               .max_unauthenticated = opts.max_unauthenticated});
     thread_ = std::thread([this] { run(); });
   }
 
@@ -231,7 +255,7 @@ class tcp_store_server {
       pfds.push_back({accepting ? listen_.get() : -1, POLLIN, 0});
       for (const auto& [id, fd] : fds_) {
         short events = POLLRDHUP;
-        if (core_->wants_input(id)) events |= POLLIN;
+        if (core_->input_allowance(id) > 0) events |= POLLIN;
         if (!core_->output(id).empty()) events |= POLLOUT;
         pfds.push_back({fd.get(), events, 0});
         ids.push_back(id);
@@ -245,15 +269,15 @@ class tcp_store_server {
       }
       if (stop_.load()) break;
       const auto now = clock::now();
-      if (pfds[1].revents & POLLIN) accept_all(now);
 
       dead.clear();
       for (std::size_t i = 0; i < ids.size(); ++i) {
         const auto id = ids[i];
         const short rev = pfds[i + 2].revents;
         bool gone = false;
-        if ((rev & POLLIN) && core_->wants_input(id)) {
-          const ssize_t n = ::recv(pfds[i + 2].fd, chunk.data(), chunk.size(), 0);
+        // Only what the core allows: the rest waits in the kernel (server_core.hpp, "Bounds").
+        if (const std::size_t allowed = core_->input_allowance(id); (rev & POLLIN) && allowed > 0) {
+          const ssize_t n = ::recv(pfds[i + 2].fd, chunk.data(), std::min(chunk.size(), allowed), 0);
           if (n > 0) core_->receive(id, std::span(chunk.data(), static_cast<std::size_t>(n)), now);
           else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) gone = true;
         } else if (rev & (POLLERR | POLLHUP | POLLRDHUP)) {
@@ -262,6 +286,9 @@ class tcp_store_server {
         if (gone) dead.push_back(id);
       }
       for (const auto id : dead) drop(id);
+      // After the reads: accepting may evict (close) connections polled above, whose descriptor
+      // numbers a new connection may then reuse.
+      if (pfds[1].revents & POLLIN) accept_all(now);
       core_->expire(clock::now());
       flush_all();
     }
@@ -271,8 +298,16 @@ class tcp_store_server {
     for (int i = 0; i < 64; ++i) {
       const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) {
+          // Out of descriptors: an unauthenticated connection (idle ones first) makes room, else
+          // idle connections could keep every rank out until their handshake timeout.
+          if (const auto victim = core_->evict_unauthenticated("out of file descriptors")) {
+            drop(*victim);
+            continue;
+          }
+        }
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-          // Out of descriptors: pause accepting instead of spinning on a readable listener.
+          // Nothing to evict: pause accepting instead of spinning on a readable listener.
           log_(system_message("accept") + "; not accepting connections for 100 ms");
           accept_pause_until_ = now + std::chrono::milliseconds(100);
         }
@@ -437,16 +472,14 @@ class tcp_store final : public store {
   void connect(const std::string& token, const deadline& until) {
     fd_ = detail::connect_with_retry(host_, port_, until);
     const char* op = "store.connect";
-    send_all(detail::encode_client_hello(detail::protocol_version, job_), until, op);
+    detail::nonce mine{};
+    detail::random_bytes(mine);
+    send_all(detail::encode_client_hello(mine), until, op);
     std::array<std::byte, detail::server_hello_bytes> hello{};
-    recv_exact(hello, until, op, " during the handshake");
+    // Magic and version first: a server of another version sends a hello of another length.
+    recv_exact(std::span(hello).first(8), until, op, " during the handshake");
     if (detail::get_le<std::uint32_t>(hello.data()) != detail::protocol_magic) {
       fail(errc::store, address() + " is not a ddp store server (bad magic in its greeting)", op);
-    }
-    if (const std::string theirs = detail::server_hello_job(hello); detail::jobs_clash(theirs, detail::job_field_text(job_))) {
-      fail(errc::config, "the store at " + address() + " serves job " + theirs + ", not this rank's job " +
-                             detail::job_field_text(job_) + " (two jobs on one port: give each its own MASTER_PORT)",
-           op);
     }
     const auto version = detail::get_le<std::uint16_t>(hello.data() + 4);
     if (version != detail::protocol_version) {
@@ -454,14 +487,24 @@ class tcp_store final : public store {
                             ", this client " + std::to_string(detail::protocol_version) + " (mixed ddp versions?)",
            op);
     }
-    std::array<std::byte, detail::proof_bytes> proof{};
-    if (!token.empty()) {
-      std::vector<std::byte> msg;
-      detail::put_bytes(msg, detail::auth_context);
-      detail::put_bytes(msg, std::span(hello).subspan(8, detail::nonce_bytes));
-      proof = detail::hmac_sha256(std::as_bytes(std::span(token.data(), token.size())), msg);
+    recv_exact(std::span(hello).subspan(8), until, op, " during the handshake");
+    if (const std::string theirs = detail::server_hello_job(hello); detail::jobs_clash(theirs, detail::job_field_text(job_))) {
+      fail(errc::config, "the store at " + address() + " serves job " + theirs + ", not this rank's job " +
+                             detail::job_field_text(job_) + " (two jobs on one port: give each its own MASTER_PORT)",
+           op);
     }
-    send_all(proof, until, op);
+    const auto server_nonce = detail::server_hello_nonce(hello);
+    if (!token.empty()) {
+      // The server proves it knows the token before this rank sends anything about itself.
+      const auto flags = detail::get_le<std::uint16_t>(hello.data() + 6);
+      const auto expected = detail::server_proof(token, mine, server_nonce);
+      if ((flags & detail::flag_token_required) == 0 || !detail::constant_time_equal(detail::server_hello_proof(hello), expected)) {
+        fail(errc::store, "the store at " + address() +
+                              " does not know this job's token: another job or a stranger holds the port" + auth_note(),
+             op);
+      }
+    }
+    send_all(detail::encode_client_proof(detail::client_proof(token, server_nonce, mine), job_), until, op);
     std::array<std::byte, 1> verdict{};
     recv_exact(verdict, until, op, " during the handshake (wrong or missing DDP_STORE_TOKEN?)" + auth_note());
     if (verdict[0] != std::byte{1}) fail(errc::store, "store refused the connection: wrong or missing DDP_STORE_TOKEN" + auth_note(), op);
@@ -560,7 +603,7 @@ static_assert(key_value_store<tcp_store>);
 
 /// The store of a process group: rank 0 (is_server) runs the server at host:port, every rank
 /// connects to it. Port 0 with is_server picks a free port; read it back with
-/// static_cast<tcp_store&>(*s).port() to publish it. The token comes from $DDP_STORE_TOKEN.
+/// static_cast<tcp_store&>(*s).port() to publish it. The token: detail::resolve_auth.
 inline std::shared_ptr<store> make_tcp_store(const std::string& host, std::uint16_t port, bool is_server,
                                              std::chrono::milliseconds timeout = default_timeout(), std::string job = {}) {
   return std::make_shared<tcp_store>(

@@ -2,12 +2,20 @@
 // The tcp_store wire protocol: encoders for the client and a pure, incremental parser for the
 // server (no sockets, no state: a span of bytes in, a verdict out), so it can be fuzzed alone.
 //
-// All integers are little endian.
-//   client hello   magic u32 "DDPS" | version u16 | reserved u16 | job[64]               (72 bytes)
-//   server hello   magic u32 | version u16 | flags u16 (bit 0: token required) | nonce[32] | job[64]
-//                                                                                         (104 bytes)
-//   client proof   HMAC-SHA256(token, "ddp-store-auth-v1" | nonce), or 32 zero bytes without a token
+// All integers are little endian. The client speaks first, and says nothing about itself until
+// the server has proven that it knows the token:
+//   client hello   magic u32 "DDPS" | version u16 | reserved u16 | client nonce[32]       (40 bytes)
+//   server hello   magic u32 | version u16 | flags u16 (bit 0: token required) | server nonce[32] |
+//                  server proof[32] | job[64]                                              (136 bytes)
+//   client proof   client proof[32] | job[64]                                              (96 bytes)
 //   server verdict u8: 1 accepted, 0 refused (and the server closes)
+// server proof = HMAC-SHA256(token, "ddp-store-server-v3" | client nonce | server nonce)
+// client proof = HMAC-SHA256(token, "ddp-store-client-v3" | server nonce | client nonce)
+// (32 zero bytes without a token). A client with a token checks the server's proof, in constant
+// time, before it sends its own: a server that does not know the token learns neither the
+// client's job nor a proof it could replay elsewhere (the two contexts differ, so a proof cannot
+// be reflected either). A server that gets another version answers with a hello of its own
+// version, as long as a version-2 server hello, so that a client of either version can name it.
 //   request        opcode u8 | key bytes u32 | value bytes u32 | key | value                 (9-byte header)
 //     set          key, value = the value
 //     get          key, value = timeout_ms u64 (the server answers `timeout` when it passes)
@@ -24,11 +32,12 @@
 // zeros when it has none. A client and a server that both have one and differ belong to two
 // jobs that share a port: the client refuses the server before it sends its proof, the server
 // closes the client, and neither ever reads or writes a key of the other. Fixed-size fields keep
-// the handshake one read on each side.
+// each handshake step one read on each side.
 // Lengths are checked against the limits as soon as the 9-byte header is in, so a hostile length
 // is refused before any payload is buffered.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -37,25 +46,32 @@
 #include <vector>
 
 #include "ddp/store/detail/bytes.hpp"
+#include "ddp/store/detail/hmac_sha256.hpp"
 #include "ddp/store/store.hpp"
 
 namespace ddp::store::detail {
 
 inline constexpr std::uint32_t protocol_magic = 0x53504444u;  // the bytes "DDPS"
-inline constexpr std::uint16_t protocol_version = 2;
+inline constexpr std::uint16_t protocol_version = 3;
 inline constexpr std::size_t job_field_bytes = 64;
-inline constexpr std::size_t client_hello_bytes = 8 + job_field_bytes;
 inline constexpr std::size_t nonce_bytes = 32;
-inline constexpr std::size_t server_hello_bytes = 8 + nonce_bytes + job_field_bytes;
 inline constexpr std::size_t proof_bytes = 32;
+inline constexpr std::size_t client_hello_bytes = 8 + nonce_bytes;
+inline constexpr std::size_t server_hello_bytes = 8 + nonce_bytes + proof_bytes + job_field_bytes;
+inline constexpr std::size_t client_proof_bytes = proof_bytes + job_field_bytes;
+/// The size of a version-2 server hello: a version notice this long reaches a version-2 client's check.
+inline constexpr std::size_t version_notice_bytes = 104;
 inline constexpr std::uint16_t flag_token_required = 1;
-inline constexpr std::string_view auth_context = "ddp-store-auth-v1";
+inline constexpr std::string_view server_auth_context = "ddp-store-server-v3";
+inline constexpr std::string_view client_auth_context = "ddp-store-client-v3";
 
 inline constexpr std::size_t request_header_bytes = 9;
 inline constexpr std::size_t response_header_bytes = 5;
 /// wait() lists many keys in its value; this bounds that list.
 inline constexpr std::size_t max_wait_bytes = max_value_bytes;
 inline constexpr std::size_t max_response_bytes = max_value_bytes + 16;
+/// The largest request frame the parser accepts: a compare_set of two values at the limit.
+inline constexpr std::size_t max_request_bytes = request_header_bytes + max_key_bytes + 4 + 2 * max_value_bytes;
 
 enum class opcode : std::uint8_t { set = 1, get, add, compare_set, wait, erase, num_keys };
 enum class status : std::uint8_t { ok = 0, timeout = 1, invalid_argument = 2 };
@@ -88,6 +104,7 @@ enum class parse_status { need_more, complete, invalid };
 struct parse_result {
   parse_status status = parse_status::need_more;
   std::size_t consumed = 0;  // bytes of the frame, when complete
+  std::size_t frame_bytes = 0;  // when need_more with the header in: the whole frame's size
   request req;               // when complete
   std::string reason;        // when invalid: why, for the server's log line
 };
@@ -119,16 +136,17 @@ inline std::string get_job_field(std::span<const std::byte> field) {
 /// Two identities clash when both are known and differ.
 inline bool jobs_clash(std::string_view a, std::string_view b) { return !a.empty() && !b.empty() && a != b; }
 
-inline std::vector<std::byte> encode_client_hello(std::uint16_t version = protocol_version, std::string_view job = {}) {
+using nonce = std::array<std::byte, nonce_bytes>;
+
+inline std::vector<std::byte> encode_client_hello(std::span<const std::byte, nonce_bytes> client_nonce,
+                                                 std::uint16_t version = protocol_version) {
   std::vector<std::byte> out;
   put_le(out, protocol_magic);
   put_le(out, version);
   put_le(out, std::uint16_t{0});
-  put_job_field(out, job);
+  put_bytes(out, client_nonce);
   return out;
 }
-
-inline std::string client_hello_job(std::span<const std::byte> hello) { return get_job_field(hello.subspan(8)); }
 
 /// Checks a client hello, or as much of one as has arrived (so a stranger is turned away on its
 /// first bytes, not after a whole hello's worth); an empty reason means acceptable so far.
@@ -142,18 +160,66 @@ inline std::string check_client_hello(std::span<const std::byte> hello) {
   return {};
 }
 
-inline std::vector<std::byte> encode_server_hello(bool token_required, std::span<const std::byte, nonce_bytes> nonce,
-                                                 std::string_view job = {}) {
+/// HMAC-SHA256(token, context | first | second): the proofs of both sides.
+inline digest handshake_proof(std::string_view token, std::string_view context, std::span<const std::byte> first,
+                              std::span<const std::byte> second) {
+  std::vector<std::byte> msg;
+  put_bytes(msg, context);
+  put_bytes(msg, first);
+  put_bytes(msg, second);
+  return hmac_sha256(std::as_bytes(std::span(token.data(), token.size())), msg);
+}
+
+/// The server's proof that it knows `token`, bound to this client's nonce ("" token: zeros).
+inline digest server_proof(std::string_view token, std::span<const std::byte> client_nonce, std::span<const std::byte> server_nonce) {
+  if (token.empty()) return {};
+  return handshake_proof(token, server_auth_context, client_nonce, server_nonce);
+}
+
+/// The client's proof, bound to this server's nonce ("" token: zeros).
+inline digest client_proof(std::string_view token, std::span<const std::byte> server_nonce, std::span<const std::byte> client_nonce) {
+  if (token.empty()) return {};
+  return handshake_proof(token, client_auth_context, server_nonce, client_nonce);
+}
+
+inline std::vector<std::byte> encode_server_hello(bool token_required, std::span<const std::byte, nonce_bytes> server_nonce,
+                                                 std::span<const std::byte, proof_bytes> proof, std::string_view job = {}) {
   std::vector<std::byte> out;
   put_le(out, protocol_magic);
   put_le(out, protocol_version);
   put_le(out, static_cast<std::uint16_t>(token_required ? flag_token_required : 0));
-  put_bytes(out, nonce);
+  put_bytes(out, server_nonce);
+  put_bytes(out, proof);
   put_job_field(out, job);
   return out;
 }
 
-inline std::string server_hello_job(std::span<const std::byte> hello) { return get_job_field(hello.subspan(8 + nonce_bytes)); }
+/// What a server says to a client of another version before it closes: magic and version, zeros
+/// after, as long as a version-2 server hello (whose client reads that much before it checks).
+inline std::vector<std::byte> encode_version_notice() {
+  std::vector<std::byte> out;
+  put_le(out, protocol_magic);
+  put_le(out, protocol_version);
+  out.resize(version_notice_bytes, std::byte{0});
+  return out;
+}
+
+inline std::span<const std::byte> server_hello_nonce(std::span<const std::byte> hello) { return hello.subspan(8, nonce_bytes); }
+inline std::span<const std::byte> server_hello_proof(std::span<const std::byte> hello) {
+  return hello.subspan(8 + nonce_bytes, proof_bytes);
+}
+inline std::string server_hello_job(std::span<const std::byte> hello) {
+  return get_job_field(hello.subspan(8 + nonce_bytes + proof_bytes));
+}
+
+inline std::vector<std::byte> encode_client_proof(std::span<const std::byte, proof_bytes> proof, std::string_view job = {}) {
+  std::vector<std::byte> out;
+  put_bytes(out, proof);
+  put_job_field(out, job);
+  return out;
+}
+
+inline std::string client_proof_job(std::span<const std::byte> message) { return get_job_field(message.subspan(proof_bytes)); }
 
 // ---- requests ------------------------------------------------------------------------------
 
@@ -288,7 +354,10 @@ inline parse_result parse_request(std::span<const std::byte> buf) {
       break;
   }
   const std::size_t total = request_header_bytes + klen + vlen;
-  if (buf.size() < total) return r;
+  if (buf.size() < total) {
+    r.frame_bytes = total;
+    return r;
+  }
 
   const auto* key = buf.data() + request_header_bytes;
   const std::span<const std::byte> value(key + klen, vlen);

@@ -8,6 +8,20 @@
 // that arrive meanwhile are buffered, up to a small cap, and processed once it is answered.
 // A connection that breaks the protocol is marked closing with one logged reason; the others
 // never notice.
+//
+// Bounds, so that no client can make the server grow (input_allowance() tells the socket loop
+// how much to read from each connection; the rest stays in the kernel, pushing back on the peer):
+// - before authentication a connection is given only the bytes of its next handshake message,
+//   and at most max_unauthenticated such connections exist: a new one past that, or one accepted
+//   when descriptors run out, evicts the oldest (those that have sent nothing first). So idle
+//   connections cannot keep a rank out, and they hold at most max_unauthenticated x
+//   (client proof + server hello) bytes;
+// - a request frame up to small_frame_bytes is read as it comes; a larger one (the parser knows
+//   its size from its header) is read only once its whole size fits frame_budget, shared by all
+//   connections and taken in arrival order. Input memory is at most frame_budget + connections x
+//   small_frame_bytes, whatever the clients send;
+// - a frame that stays unfinished for frame_timeout while the server is reading it closes its
+//   connection (one line naming the peer and the limit), so a stalled client cannot hold the budget.
 
 #include <algorithm>
 #include <array>
@@ -17,6 +31,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -34,11 +49,19 @@ class server_core {
   using conn_id = std::uint64_t;
   using log_fn = std::function<void(const std::string&)>;
 
+  /// Frames up to this size are read as they arrive; larger ones wait for room in the budget.
+  static constexpr std::size_t small_frame_bytes = std::size_t{64} << 10;
+  static constexpr std::size_t default_frame_budget = std::size_t{256} << 20;
+  static_assert(max_request_bytes <= default_frame_budget, "the largest frame must fit the budget");
+
   struct options {
     std::string token;  // empty: no authentication
     std::string job;    // the job identity this store serves; empty: any (see frame.hpp)
-    std::chrono::milliseconds handshake_timeout = std::chrono::seconds(30);
+    std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
     log_fn log;  // one line per closed-for-cause connection; never given the token
+    std::chrono::milliseconds frame_timeout = std::chrono::seconds(60);  // see "Bounds" above
+    std::size_t frame_budget = default_frame_budget;  // raised to max_request_bytes if below
+    std::size_t max_unauthenticated = 512;
   };
 
   /// Stop processing a connection's requests while it has this much output not yet written.
@@ -46,38 +69,79 @@ class server_core {
   /// Bytes buffered from a connection whose processing is paused.
   static constexpr std::size_t paused_input_limit = std::size_t{64} << 10;
 
-  explicit server_core(options opts) : opts_(std::move(opts)) {}
+  explicit server_core(options opts) : opts_(std::move(opts)) {
+    opts_.frame_budget = std::max(opts_.frame_budget, max_request_bytes);
+    opts_.max_unauthenticated = std::max<std::size_t>(opts_.max_unauthenticated, 1);
+  }
 
-  /// A new connection: queues the server hello. `nonce` must be unpredictable when a token is set.
-  void open(conn_id id, std::string peer, std::span<const std::byte, nonce_bytes> nonce, clock::time_point now) {
+  /// A new connection, which speaks first (frame.hpp). `server_nonce` must be unpredictable when
+  /// a token is set. Past max_unauthenticated, the oldest unauthenticated connection is evicted.
+  void open(conn_id id, std::string peer, std::span<const std::byte, nonce_bytes> server_nonce, clock::time_point now) {
+    now_ = now;
     connection& c = conns_[id];
+    c.id = id;
     c.peer = std::move(peer);
     c.handshake_deadline = now + opts_.handshake_timeout;
-    if (!opts_.token.empty()) {
-      std::vector<std::byte> msg;
-      put_bytes(msg, auth_context);
-      put_bytes(msg, nonce);
-      c.expected_proof = hmac_sha256(std::as_bytes(std::span(opts_.token.data(), opts_.token.size())), msg);
+    std::copy(server_nonce.begin(), server_nonce.end(), c.server_nonce.begin());
+    unauthenticated_.insert(id);
+    if (unauthenticated_.size() > opts_.max_unauthenticated)
+      evict_unauthenticated("more than " + std::to_string(opts_.max_unauthenticated) + " at once");
+  }
+
+  /// Marks the oldest unauthenticated connection closing (one that has sent nothing, if any),
+  /// to make room; returns it, for the socket loop to close at once. Logged in summary by expire().
+  std::optional<conn_id> evict_unauthenticated(const std::string& why) {
+    std::optional<conn_id> victim;
+    for (const auto id : unauthenticated_) {
+      const connection& c = conns_.at(id);
+      if (c.state == phase::closing) continue;
+      if (c.received == 0) {
+        victim = id;
+        break;
+      }
+      if (!victim) victim = id;
     }
-    const auto hello = encode_server_hello(!opts_.token.empty(), nonce, opts_.job);
-    c.out.insert(c.out.end(), hello.begin(), hello.end());
+    if (!victim) return std::nullopt;
+    connection& c = conns_.at(*victim);
+    c.state = phase::closing;
+    release(c);
+    unauthenticated_.erase(*victim);
+    ++evicted_unlogged_;
+    evict_reason_ = why;
+    return victim;
   }
 
   /// Bytes received from a connection; processes every complete frame it can.
+  /// Give it at most input_allowance(id) bytes: the bounds above assume so.
   void receive(conn_id id, std::span<const std::byte> data, clock::time_point now) {
+    now_ = now;
     auto it = conns_.find(id);
     if (it == conns_.end() || it->second.state == phase::closing) return;
     it->second.in.insert(it->second.in.end(), data.begin(), data.end());
+    it->second.received += data.size();
     process(id, now);
     drain_resumed(now);
   }
 
-  /// Whether the socket loop should read from this connection now.
-  bool wants_input(conn_id id) const {
+  /// How many bytes the socket loop may read from this connection now (0: do not poll for input).
+  std::size_t input_allowance(conn_id id) const {
     const auto it = conns_.find(id);
-    if (it == conns_.end() || it->second.state == phase::closing) return false;
-    return !paused(it->second) || it->second.in.size() < paused_input_limit;
+    if (it == conns_.end()) return 0;
+    const connection& c = it->second;
+    auto upto = [&](std::size_t limit) { return c.in.size() < limit ? limit - c.in.size() : std::size_t{0}; };
+    switch (c.state) {
+      case phase::closing: return 0;
+      case phase::hello: return upto(client_hello_bytes);
+      case phase::proof: return upto(client_proof_bytes);
+      case phase::ready: break;
+    }
+    if (paused(c)) return upto(paused_input_limit);
+    if (c.waiting_budget) return 0;
+    if (c.reserved > 0) return upto(c.reserved);
+    return upto(small_frame_bytes);
   }
+
+  bool wants_input(conn_id id) const { return input_allowance(id) > 0; }
 
   std::span<const std::byte> output(conn_id id) const {
     const auto it = conns_.find(id);
@@ -87,17 +151,21 @@ class server_core {
 
   /// `n` bytes of output were written; may resume a connection held back by its backlog.
   void sent(conn_id id, std::size_t n, clock::time_point now) {
+    now_ = now;
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     connection& c = it->second;
+    const bool was_paused = paused(c);
     c.out_sent += n;
     if (c.out_sent == c.out.size()) {
       c.out.clear();
       c.out_sent = 0;
+      if (c.out.capacity() > small_frame_bytes) std::vector<std::byte>().swap(c.out);  // a large answer is gone
     } else if (c.out_sent > (std::size_t{1} << 20) && c.out_sent * 2 > c.out.size()) {
       c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(c.out_sent));
       c.out_sent = 0;
     }
+    if (was_paused && !paused(c)) c.frame_started = now;  // the frame clock stood while we did not read
     if (!paused(c) && !c.in.empty()) {
       process(id, now);
       drain_resumed(now);
@@ -111,12 +179,16 @@ class server_core {
 
   /// The connection is gone (closed by us or by the peer): forget it and its parked request.
   void close(conn_id id) {
+    if (auto it = conns_.find(id); it != conns_.end()) release(it->second);
     conns_.erase(id);
+    unauthenticated_.erase(id);
     std::erase_if(waiters_, [&](const waiter& w) { return w.conn == id; });
+    admit_waiting();
   }
 
   /// Answers parked requests whose deadline passed, and drops connections stuck in the handshake.
   void expire(clock::time_point now) {
+    now_ = now;
     for (auto& w : waiters_) {
       if (w.until > now) continue;
       std::vector<std::string> missing;
@@ -129,7 +201,21 @@ class server_core {
     for (auto& [id, c] : conns_) {
       if ((c.state == phase::hello || c.state == phase::proof) && c.handshake_deadline <= now)
         close_for_cause(c, "handshake not completed within " + std::to_string(opts_.handshake_timeout.count()) + " ms");
+      if (frame_clock_runs(c) && c.frame_started + opts_.frame_timeout <= now) {
+        close_for_cause(c, "an unfinished request frame (" + std::to_string(c.in.size()) +
+                               (c.frame_bytes > 0 ? " of " + std::to_string(c.frame_bytes) : std::string()) +
+                               " bytes) for longer than the frame timeout of " + std::to_string(opts_.frame_timeout.count()) +
+                               " ms");
+      }
     }
+    if (evicted_unlogged_ > 0 && now >= next_evict_log_) {
+      if (opts_.log)
+        opts_.log("dropped " + std::to_string(evicted_unlogged_) + " unauthenticated connection(s), oldest idle first (" +
+                  evict_reason_ + ")");
+      evicted_unlogged_ = 0;
+      next_evict_log_ = now + std::chrono::seconds(1);  // a flood gets a line a second, not one per connection
+    }
+    admit_waiting();  // frames of connections closed above gave their budget back
     drain_resumed(now);
   }
 
@@ -140,27 +226,52 @@ class server_core {
       if (!t || x < *t) t = x;
     };
     for (const auto& w : waiters_) take(w.until);
-    for (const auto& [id, c] : conns_)
+    for (const auto& [id, c] : conns_) {
       if (c.state == phase::hello || c.state == phase::proof) take(c.handshake_deadline);
+      if (frame_clock_runs(c)) take(c.frame_started + opts_.frame_timeout);
+    }
+    if (evicted_unlogged_ > 0) take(next_evict_log_);
     return t;
   }
 
   std::size_t num_keys() const noexcept { return data_.size(); }
   std::size_t num_connections() const noexcept { return conns_.size(); }
   std::size_t num_parked() const noexcept { return waiters_.size(); }
+  std::size_t num_unauthenticated() const noexcept { return unauthenticated_.size(); }
+  /// Memory held for input by every connection (buffer capacities), and by the unauthenticated
+  /// ones for input and output: what the bounds above bound.
+  std::size_t input_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& [id, c] : conns_) n += c.in.capacity();
+    return n;
+  }
+  std::size_t unauthenticated_bytes() const {
+    std::size_t n = 0;
+    for (const auto id : unauthenticated_) n += conns_.at(id).in.capacity() + conns_.at(id).out.capacity();
+    return n;
+  }
+  std::size_t reserved_bytes() const noexcept { return budget_used_; }
 
  private:
   enum class phase { hello, proof, ready, closing };
 
   struct connection {
     phase state = phase::hello;
+    conn_id id = 0;
     std::string peer;
+    nonce server_nonce{};
     digest expected_proof{};
     std::vector<std::byte> in;
     std::vector<std::byte> out;
     std::size_t out_sent = 0;
     bool parked = false;
     clock::time_point handshake_deadline{};
+    std::size_t received = 0;     // bytes ever received; 0: idle since accepted
+    std::size_t frame_bytes = 0;  // the size of the frame at the head of `in`, once its header is in
+    std::size_t reserved = 0;     // budget held for that frame
+    bool waiting_budget = false;  // in budget_queue_
+    bool frame_clock = false;     // `in` holds part of a frame since frame_started
+    clock::time_point frame_started{};
   };
 
   struct waiter {
@@ -173,11 +284,50 @@ class server_core {
 
   static bool paused(const connection& c) { return c.parked || c.out.size() - c.out_sent >= output_backlog_limit; }
 
+  // Only while the server is willing to read: a paused or budget-waiting client is not stalling.
+  static bool frame_clock_runs(const connection& c) {
+    return c.state == phase::ready && c.frame_clock && !paused(c) && !c.waiting_budget;
+  }
+
   void close_for_cause(connection& c, const std::string& reason) {
     if (c.state == phase::closing) return;
     c.state = phase::closing;
-    c.in.clear();
+    std::vector<std::byte>().swap(c.in);
+    release(c);
+    unauthenticated_.erase(c.id);
     if (opts_.log) opts_.log("closing the connection from " + c.peer + ": " + reason);
+  }
+
+  // Gives back the budget of a connection's frame; waiting frames are admitted by the caller
+  // (admit_waiting), outside any loop over connections.
+  void release(connection& c) {
+    budget_used_ -= c.reserved;
+    c.reserved = 0;
+    c.frame_bytes = 0;
+  }
+
+  bool admit(connection& c, std::size_t bytes) {
+    if (budget_used_ + bytes > opts_.frame_budget) return false;
+    budget_used_ += bytes;
+    c.reserved = bytes;
+    c.in.reserve(bytes);  // exactly once: growth by doubling would take up to twice the frame
+    c.frame_started = now_;
+    c.frame_clock = true;
+    return true;
+  }
+
+  // In arrival order, and no overtaking: a large frame is never starved by smaller ones.
+  void admit_waiting() {
+    while (!budget_queue_.empty()) {
+      auto it = conns_.find(budget_queue_.front());
+      if (it == conns_.end() || !it->second.waiting_budget || it->second.state == phase::closing) {
+        budget_queue_.pop_front();
+        continue;
+      }
+      if (!admit(it->second, it->second.frame_bytes)) return;
+      it->second.waiting_budget = false;
+      budget_queue_.pop_front();
+    }
   }
 
   void respond(conn_id id, status s, std::span<const std::byte> payload) {
@@ -192,43 +342,81 @@ class server_core {
     if (it == conns_.end()) return;
     connection& c = it->second;
     std::size_t at = 0;
+    bool released = false;
     while (c.state != phase::closing && !paused(c)) {
       const std::span<const std::byte> rest = std::span<const std::byte>(c.in).subspan(at);
       if (c.state == phase::hello) {
         if (auto why = check_client_hello(rest.first(std::min(rest.size(), client_hello_bytes))); !why.empty()) {
+          if (get_le<std::uint32_t>(rest.data()) == protocol_magic) {
+            const auto notice = encode_version_notice();  // lets the client name both versions
+            c.out.insert(c.out.end(), notice.begin(), notice.end());
+          }
           close_for_cause(c, why);
           return;
         }
         if (rest.size() < client_hello_bytes) break;
-        if (const std::string job = client_hello_job(rest); jobs_clash(job, job_field_text(opts_.job))) {
-          close_for_cause(c, "refused a rank of job " + job + ": this store serves job " + job_field_text(opts_.job) +
-                                 " (two jobs on one port)");
-          return;
-        }
+        const auto client_nonce = rest.subspan(8, nonce_bytes);
+        const auto proof = server_proof(opts_.token, client_nonce, c.server_nonce);
+        c.expected_proof = client_proof(opts_.token, c.server_nonce, client_nonce);
+        const auto hello = encode_server_hello(!opts_.token.empty(), c.server_nonce, proof, opts_.job);
+        c.out.insert(c.out.end(), hello.begin(), hello.end());
         at += client_hello_bytes;
         c.state = phase::proof;
       } else if (c.state == phase::proof) {
-        if (rest.size() < proof_bytes) break;
+        if (rest.size() < client_proof_bytes) break;
         const bool ok = opts_.token.empty() || constant_time_equal(rest.first(proof_bytes), c.expected_proof);
-        at += proof_bytes;
-        c.out.push_back(std::byte{ok ? std::uint8_t{1} : std::uint8_t{0}});
+        const std::string job = client_proof_job(rest);
+        at += client_proof_bytes;
+        const bool clash = jobs_clash(job, job_field_text(opts_.job));
+        c.out.push_back(ok && !clash ? std::byte{1} : std::byte{0});
+        unauthenticated_.erase(id);
         if (!ok) {
           close_for_cause(c, "wrong or missing token (DDP_STORE_TOKEN)");
+          return;
+        }
+        if (clash) {
+          close_for_cause(c, "refused a rank of job " + job + ": this store serves job " + job_field_text(opts_.job) +
+                                 " (two jobs on one port)");
           return;
         }
         c.state = phase::ready;
       } else {
         auto parsed = parse_request(rest);
-        if (parsed.status == parse_status::need_more) break;
+        if (parsed.status == parse_status::need_more) {
+          if (parsed.frame_bytes > small_frame_bytes && c.reserved == 0 && !c.waiting_budget) {
+            c.frame_bytes = parsed.frame_bytes;
+            if (!admit(c, parsed.frame_bytes)) {
+              c.waiting_budget = true;
+              budget_queue_.push_back(id);
+            }
+          }
+          break;
+        }
         if (parsed.status == parse_status::invalid) {
           close_for_cause(c, parsed.reason);
-          return;
+          released = true;
+          break;
         }
         at += parsed.consumed;
+        if (c.reserved > 0) released = true;
+        release(c);
+        c.frame_clock = false;
         handle(id, c, std::move(parsed.req), now);
       }
     }
-    if (c.state != phase::closing) c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(at));
+    if (c.state != phase::closing) {
+      c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(at));
+      if (c.reserved == 0 && c.in.capacity() > 2 * small_frame_bytes && c.in.size() <= small_frame_bytes)
+        std::vector<std::byte>(c.in.begin(), c.in.end()).swap(c.in);  // a large frame is done: give its memory back
+      if (c.state == phase::ready) {
+        if (c.in.empty()) c.frame_clock = false;
+        else if (!c.frame_clock) {
+          c.frame_clock = true;
+          c.frame_started = now;
+        }
+      }
+    }
+    if (released) admit_waiting();
   }
 
   void handle(conn_id id, connection& c, request&& req, clock::time_point now) {
@@ -325,6 +513,7 @@ class server_core {
       if (!w.done) continue;
       if (auto it = conns_.find(w.conn); it != conns_.end()) {
         it->second.parked = false;
+        it->second.frame_started = now_;  // the frame clock stood while it was parked
         resumed_.push_back(w.conn);
       }
     }
@@ -342,7 +531,14 @@ class server_core {
   }
 
   options opts_;
+  clock::time_point now_{};  // of the latest call, for admissions made by close()
   std::unordered_map<conn_id, connection> conns_;
+  std::set<conn_id> unauthenticated_;  // ids grow with age: the oldest first
+  std::deque<conn_id> budget_queue_;   // connections whose frame waits for the budget
+  std::size_t budget_used_ = 0;
+  std::size_t evicted_unlogged_ = 0;
+  std::string evict_reason_;
+  clock::time_point next_evict_log_{};
   std::map<std::string, std::vector<std::byte>, std::less<>> data_;
   std::vector<waiter> waiters_;
   std::deque<conn_id> resumed_;
