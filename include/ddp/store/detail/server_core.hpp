@@ -83,9 +83,9 @@ class server_core {
     c.peer = std::move(peer);
     c.handshake_deadline = now + opts_.handshake_timeout;
     std::copy(server_nonce.begin(), server_nonce.end(), c.server_nonce.begin());
-    unauthenticated_.insert(id);
-    if (unauthenticated_.size() > opts_.max_unauthenticated)
+    if (unauthenticated_.size() >= opts_.max_unauthenticated)
       evict_unauthenticated("more than " + std::to_string(opts_.max_unauthenticated) + " at once");
+    unauthenticated_.insert(id);  // after: the newcomer has had no chance to speak yet
   }
 
   /// Marks the oldest unauthenticated connection closing (one that has sent nothing, if any),
