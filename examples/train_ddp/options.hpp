@@ -51,6 +51,11 @@ struct options {
   long checkpoint_every = 0;
   int keep = 3;            // complete checkpoints kept (0: all)
   bool no_resume = false;  // start from step 0 even when the directory holds a checkpoint
+  // A checkpoint of another world size resumes at the start of its interrupted epoch (checkpoint.hpp).
+  bool allow_world_size_change = false;
+  std::string init_params;  // raw little-endian float32 values in the model's flat order (the report's final_params_bits)
+  int first_epoch = 1;      // the epoch (as printed) a run without a checkpoint starts with
+  long max_steps = 0;       // > 0: stop after this many steps in all (the epoch in progress prints no line)
 };
 
 /// --dataset digits: the values that reach >= 0.9 held-out accuracy at every world size of the
@@ -113,10 +118,22 @@ inline options parse_options(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--keep", o.keep, "with --checkpoint-dir: complete checkpoints to keep (0: all)")->check(CLI::NonNegativeNumber);
   app.add_flag("--no-resume", o.no_resume, "with --checkpoint-dir: start from step 0 even if DIR holds a checkpoint");
+  app.add_flag("--allow-world-size-change", o.allow_world_size_change,
+               "with --checkpoint-dir: resume a checkpoint saved with another world size (its parameters; the "
+               "interrupted epoch restarts at its first batch; per-rank loss sums start anew)");
+  app.add_option("--init-params", o.init_params,
+                 "start from these parameters: raw little-endian float32, the model's flat order (a report's "
+                 "final_params_bits); overrides --init-seed");
+  app.add_option("--first-epoch", o.first_epoch,
+                 "start with this epoch (1 = the first) when not resuming: its sampler order, its lr schedule step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-steps", o.max_steps, "stop after this many steps in all (0: no limit)")->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
-    if (o.checkpoint_dir.empty() && (o.checkpoint_every > 0 || o.no_resume))
-      throw CLI::ValidationError("--checkpoint-every/--no-resume", "need --checkpoint-dir");
+    if (o.checkpoint_dir.empty() && (o.checkpoint_every > 0 || o.no_resume || o.allow_world_size_change))
+      throw CLI::ValidationError("--checkpoint-every/--no-resume/--allow-world-size-change", "need --checkpoint-dir");
+    if (o.simulate_world > 0 && (o.first_epoch != 1 || o.max_steps > 0))
+      throw CLI::ValidationError("--first-epoch/--max-steps", "are not supported with --simulate-world");
     if (!o.checkpoint_dir.empty() && o.simulate_world > 0)
       throw CLI::ValidationError("--checkpoint-dir", "is not supported with --simulate-world");
     if (o.dataset == "digits") {

@@ -55,6 +55,7 @@ struct report {
   // --checkpoint-dir: the step this run resumed from (-1: it started from step 0), the checkpoints it saved.
   bool checkpointing = false;
   long resumed_from_step = -1;
+  int resumed_from_world_size = 0;  // the world size that saved the checkpoint resumed (0: none)
   std::vector<long> checkpoints_saved;
 };
 
@@ -128,6 +129,7 @@ inline std::string to_json(const report& r) {
   if (r.checkpointing) {
     s += "  \"resumed\": " + std::string(r.resumed_from_step >= 0 ? "true" : "false") + ",\n";
     s += "  \"resumed_from_step\": " + (r.resumed_from_step >= 0 ? std::to_string(r.resumed_from_step) : "null") + ",\n";
+    s += "  \"resumed_from_world_size\": " + (r.resumed_from_step >= 0 ? std::to_string(r.resumed_from_world_size) : "null") + ",\n";
     s += "  \"checkpoints_saved\": " + list(r.checkpoints_saved, [](long v) { return std::to_string(v); }) + ",\n";
   }
   s += "  \"final_params_bits\": " +

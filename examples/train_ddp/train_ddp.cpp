@@ -17,6 +17,8 @@
 #include <optional>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <iterator>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -165,6 +167,16 @@ inline std::vector<float> initial_values(const options& o) {
   const auto l2 = ddp::torch_linear_init(o.classes, o.hidden, g);
   std::vector<float> v;
   for (const auto* part : {&l1.weight, &l1.bias, &l2.weight, &l2.bias}) v.insert(v.end(), part->begin(), part->end());
+  if (!o.init_params.empty()) {  // --init-params: the same layout, values from the file
+    std::ifstream in(o.init_params, std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in.is_open() || bytes.size() != v.size() * sizeof(float))
+      throw ddp::error(ddp::errc::invalid_argument,
+                       "--init-params " + o.init_params + ": " + std::to_string(bytes.size()) + " bytes, the model has " +
+                           std::to_string(v.size()) + " float32 values (" + std::to_string(v.size() * sizeof(float)) +
+                           " bytes)");
+    std::memcpy(v.data(), bytes.data(), bytes.size());  // little-endian, as the hosts ddp runs on
+  }
   return v;
 }
 
@@ -411,21 +423,33 @@ int run_distributed(const options& o, Gemm gemm) {
 
   // Resume: rank 0 picks the newest complete checkpoint and tells the others which.
   rep.checkpointing = checkpointing;
-  int start_epoch = 0;
+  // --first-epoch: that epoch's sampler order, and the step count (lr schedule) it starts with.
+  int start_epoch = o.first_epoch - 1;
+  step = long(start_epoch) * long(sampler.batches(o.batch_size).size());
   std::int64_t start_batch = 0;
   double start_partial = 0;
   resumable saved;
   if (checkpointing && !o.no_resume) {
-    std::vector<std::int64_t> found{-1};
+    std::vector<std::int64_t> found{-1, 0};  // step, the world size that saved it
     if (rank == 0)
-      if (const auto c = ddp::checkpoint::latest(o.checkpoint_dir)) found[0] = c->step;
+      if (const auto c = ddp::checkpoint::latest(o.checkpoint_dir)) found = {c->step, c->world_size};
     group.broadcast(std::span<std::int64_t>(found), 0);
     if (found[0] >= 0) {
       const auto path = ddp::checkpoint::step_path(o.checkpoint_dir, found[0]);
+      const bool resized = found[1] != world;
+      if (resized && !o.allow_world_size_change)
+        throw ddp::error(ddp::errc::config, "checkpoint " + path.string() + " was saved by " + std::to_string(found[1]) +
+                                                " ranks, this job has " + std::to_string(world) +
+                                                " (--allow-world-size-change resumes it at the start of its interrupted "
+                                                "epoch; or pass --no-resume)");
+      // The linear rule's lr depends on the world size and its warmup on the step count per epoch.
+      if (resized && o.lr_scaling != "none")
+        throw ddp::error(ddp::errc::config, "--allow-world-size-change: not with --lr-scaling " + o.lr_scaling +
+                                                " (its schedule depends on the world size)");
       saved.values.assign(model.numel(), 0.0f);
       saved.grads.assign(model.numel(), 0.0f);
       auto st = checkpoint_state(o, model, saved, rep);
-      const auto got = ddp::checkpoint::load(path, rank, world, st);
+      const auto got = ddp::checkpoint::load(path, rank, world, st, {.allow_world_size_change = o.allow_world_size_change});
       const auto config = got.metadata.find("train_ddp.config");
       if (config == got.metadata.end() || config->second != checkpoint_config(o))
         throw ddp::error(ddp::errc::config, "checkpoint " + path.string() + " was written with other options:\n  saved: " +
@@ -433,6 +457,17 @@ int run_distributed(const options& o, Gemm gemm) {
                                                 "\n  now:   " + checkpoint_config(o) + "\n(or pass --no-resume)");
       model.set_values(saved.values);
       if (host_mirrors) std::copy(saved.values.begin(), saved.values.end(), host_values.begin());
+      if (got.world_size_changed && rank == 0) {
+        // Per-rank records were not loaded. Rank 0's log (its lines, step losses, held-out
+        // results) is the job's: read from the saved rank 0. Loss sums restart at this epoch.
+        namespace ck = ddp::checkpoint;
+        ck::state log;
+        log.add_vector("train.step_losses_rank0", rep.step_losses_rank0, ck::scope::per_rank);
+        log.add_vector("train.printed_lines", saved.lines, ck::scope::per_rank);
+        log.add_vector("train.heldout_accuracy_by_epoch", rep.heldout_accuracy_by_epoch, ck::scope::per_rank);
+        log.add_vector("train.heldout_loss_by_epoch", rep.heldout_loss_by_epoch, ck::scope::per_rank);
+        ck::load(path, 0, got.world_size, log);
+      }
       totals = saved.totals;
       for (std::size_t a = 0, b = 0; b < saved.lines.size(); ++b)
         if (saved.lines[b] == '\n') {
@@ -446,6 +481,13 @@ int run_distributed(const options& o, Gemm gemm) {
       start_batch = got.sampler.batches_done;
       start_partial = saved.partial[0];
       rep.resumed_from_step = step;
+      rep.resumed_from_world_size = got.world_size;
+      if (rank == 0 && got.world_size_changed)
+        std::fprintf(stderr,
+                     "train_ddp: world size %d -> %d: checkpoint %s (step %ld, epoch %d with %lld batches done) resumes at "
+                     "the start of epoch %d\n",
+                     got.world_size, world, path.c_str(), step, int(got.saved_sampler.epoch) + 1,
+                     static_cast<long long>(got.saved_sampler.batches_done), start_epoch + 1);
       if (rank == 0)
         std::fprintf(stderr, "train_ddp: resumed from checkpoint %s (step %ld: epoch %d, batch %lld)\n", path.c_str(), step,
                      start_epoch + 1, static_cast<long long>(start_batch));
@@ -478,12 +520,26 @@ int run_distributed(const options& o, Gemm gemm) {
   const auto seconds = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
   const auto comm_before = group.stats()[ddp::collective::all_reduce].time;
   const auto t0 = clock::now();
-  for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
+  // At a step boundary: the ranks agree on a preemption; saves when asked to or every N steps.
+  // True: preempted, checkpoint saved, the run must exit with requeue_exit_code.
+  const auto checkpoint_point = [&](int epoch, std::int64_t batches_done, double partial) {
+    // Every rank takes the same decision at the same step: the flag is all-reduced.
+    const bool stop = preempt->agreed(group);
+    if (stop || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0)) save_checkpoint(epoch, batches_done, partial);
+    if (stop && rank == 0)
+      std::fprintf(stderr, "train_ddp: preempted: saved checkpoint %s; exiting with %d (requeue)\n",
+                   ddp::checkpoint::step_path(o.checkpoint_dir, step).c_str(), ddp::preemption::requeue_exit_code);
+    return stop;
+  };
+  const auto at_max_steps = [&] { return o.max_steps > 0 && step >= o.max_steps; };
+  for (int epoch = start_epoch; epoch < o.epochs && !at_max_steps(); ++epoch) {
     sampler.set_epoch(epoch);
     const std::int64_t first_batch = epoch == start_epoch ? start_batch : 0;
     double total_loss = epoch == start_epoch ? start_partial : 0;
     std::int64_t batches_done = first_batch;
-    for (const auto batch : sampler.batches_from(o.batch_size, first_batch)) {
+    const auto batches = sampler.batches_from(o.batch_size, first_batch);
+    const std::int64_t epoch_batches = first_batch + std::int64_t(batches.size());
+    for (const auto batch : batches) {
       float loss = 0;
       const auto step_start = clock::now();
       clock::time_point backward_done;
@@ -507,20 +563,12 @@ int run_distributed(const options& o, Gemm gemm) {
       if (rank == 0) rep.step_losses_rank0.push_back(loss);
       rep.samples_processed += double(batch.size());
       ++batches_done;
-      if (checkpointing) {
-        // Every rank takes the same decision at the same step: the flag is all-reduced.
-        const bool stop = preempt->agreed(group);
-        if (stop || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0))
-          save_checkpoint(epoch, batches_done, total_loss);
-        if (stop) {
-          if (rank == 0)
-            std::fprintf(stderr, "train_ddp: preempted: saved checkpoint %s; exiting with %d (requeue)\n",
-                         ddp::checkpoint::step_path(o.checkpoint_dir, step).c_str(),
-                         ddp::preemption::requeue_exit_code);
-          return ddp::preemption::requeue_exit_code;
-        }
-      }
+      // The epoch's last step is a checkpoint point after the epoch's end (below).
+      if (batches_done == epoch_batches) break;
+      if (checkpointing && checkpoint_point(epoch, batches_done, total_loss)) return ddp::preemption::requeue_exit_code;
+      if (at_max_steps()) break;
     }
+    if (batches_done < epoch_batches) break;  // --max-steps within the epoch: no line for it
     totals.push_back(total_loss);
     probe.sample();
     if (rank == 0) {
@@ -540,6 +588,11 @@ int run_distributed(const options& o, Gemm gemm) {
       eval_seconds += seconds(clock::now() - e0);
       eval_communication += group.stats()[ddp::collective::all_reduce].time - comm0;
     }
+    // The epoch's last step, after its line and held-out evaluation: saved as the next epoch's
+    // start, so a resume (and an elastic one, which restarts an interrupted epoch) repeats nothing.
+    // An epoch resumed with all its batches done took no step here, and has no point.
+    if (checkpointing && first_batch < epoch_batches && checkpoint_point(epoch + 1, 0, 0.0))
+      return ddp::preemption::requeue_exit_code;
   }
   // Loop and communication time are the training's: the held-out evaluations are taken out.
   rep.communication_seconds = seconds(group.stats()[ddp::collective::all_reduce].time - comm_before - eval_communication);
