@@ -18,9 +18,10 @@
 // The handler only stores the signal number in a lock-free atomic (async-signal-safe) and is
 // installed with SA_RESTART; ddp's transports retry the calls a signal still interrupts (poll).
 // One instance at a time; the destructor restores the previous handlers.
-// Exit code: 75 (EX_TEMPFAIL, "temporary failure, try again" in sysexits.h). Slurm users map it
-// to a requeue (`scontrol requeue` in an epilog, or --requeue with a wrapper); under ddprun
-// --max-restarts any non-zero exit restarts the group, which then resumes from the checkpoint.
+// Exit code: 75 (EX_TEMPFAIL, "temporary failure, try again" in sysexits.h). Under Slurm the batch
+// script maps it to `scontrol requeue $SLURM_JOB_ID` (examples/slurm/train_ddp_requeue.sbatch:
+// Slurm itself requeues no job for its exit code); under ddprun --max-restarts any non-zero exit
+// restarts the group, which then resumes from the checkpoint.
 
 #include <signal.h>
 
