@@ -57,7 +57,7 @@ CATEGORIES = (
     ("slow_end", "job ended later than the bound"),
     ("summary_cause", "ddprun's first line is not the root cause"),
     ("summary_errors", "ddprun's summary lacks a rank's last error"),
-    ("leaked_process", "a process of the job remained"),
+    ("leaked_process", "a process of the job remained (or outlived 2 x DDP_TIMEOUT + 5 s)"),
     ("leaked_shm", "a /dev/shm entry of the job remained"),
     ("leaked_fd", "a descriptor or mapping of the job remained"),
     ("not_started", "the job failed before the kill"),
@@ -333,6 +333,7 @@ def run_trial(args, trial):
             if now - quiet_since > 1.0:
                 break
         if now > hard_deadline:
+            trial.setdefault("left", []).extend(pids_with_job(job.tag))
             job.kill_everything()
             hard_deadline = now + 5.0
             trial.setdefault("notes", []).append("processes still running at the hard deadline: killed")
@@ -421,7 +422,7 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                 check_summary(trial, job, errors, victim, r)
         r["detect"] = max(detect) if detect else r["end"]
     # What is left behind.
-    left = pids_with_job(job.tag) + [p for p in job.started if p not in job.exits and not is_zombie(p)]
+    left = trial.get("left", []) + pids_with_job(job.tag) + [p for p in job.started if p not in job.exits and not is_zombie(p)]
     if left:
         r["fail"].add("leaked_process")
         r["notes"].append("processes left: %s" % sorted(set(left)))
