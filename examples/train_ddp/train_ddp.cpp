@@ -425,7 +425,8 @@ int run_distributed(const options& o, Gemm gemm) {
   rep.checkpointing = checkpointing;
   // --first-epoch: that epoch's sampler order, and the step count (lr schedule) it starts with.
   int start_epoch = o.first_epoch - 1;
-  step = long(start_epoch) * long(sampler.batches(o.batch_size).size());
+  // (Counted, not iterated: the sampler warns when one epoch is iterated twice.)
+  step = long(start_epoch) * long((sampler.num_samples() + o.batch_size - 1) / o.batch_size);
   std::int64_t start_batch = 0;
   double start_partial = 0;
   resumable saved;
