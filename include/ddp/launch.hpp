@@ -17,12 +17,13 @@
 //    launcher sends SIGTERM to the groups still running, and SIGKILL after grace_period;
 //  - when every worker has ended it names the root cause first: the earliest failure that is
 //    not a consequence of another (a worker killed by a signal, or whose last error line is not
-//    "peer rank N exited", "... closed the connection" and the like), else the earliest, then
-//    every other worker with a last line on stderr or a failure of its own, with that line:
+//    "peer rank N exited", "... closed the connection" and the like), else the earliest; then,
+//    in rank order, every worker with a failure of its own or a last line on stderr, with that line:
 //      ddprun: root cause: rank 0 (local 0, pid 1233) was killed by signal 9 (Killed)
+//      ddprun: rank 0 (local 0, pid 1233) was killed by signal 9 (Killed)
 //      ddprun: rank 1 (local 1, pid 1234) exited with code 1: ddp: rank 1: all_reduce #7 (...): peer rank 0 ...
 //      ddprun: rank 2 (local 2, pid 1235) was killed by signal 15 (Terminated), stopped by ddprun: ...
-//    A failure with nothing else to say is one line without "root cause: ", e.g.
+//    A failure with nothing else to say is its one line, e.g.
 //      ddprun: rank 1 (local 1, pid 1234) exited with code 3
 //    Why the settle period: the ranks notice a peer's death themselves, and a SIGTERM at the
 //    first failure would stop them before they say why, and stop the store host (rank 0)
@@ -304,14 +305,16 @@ inline void summarize(const launch_options& o, launch_result& result, const std:
     if (!w.last_error.empty()) s += ": " + w.last_error;
     return s;
   };
-  std::vector<std::string> others;
+  // Every rank with something to say, in rank order; the cause first when it is not alone.
+  std::vector<std::string> ranks;
+  bool alone = true;
   for (const auto& w : result.workers) {
-    if (w.pid <= 0 || w.local_rank == root) continue;
-    if (own_failure(w) || !w.last_error.empty()) others.push_back(line_of(w));
+    if (w.pid <= 0 || !(own_failure(w) || !w.last_error.empty() || w.local_rank == root)) continue;
+    ranks.push_back(line_of(w));
+    alone = alone && w.local_rank == root;
   }
-  const auto& cause = result.workers[static_cast<std::size_t>(root)];
-  log_line(o, (others.empty() ? "" : "root cause: ") + line_of(cause));
-  for (const auto& line : others) log_line(o, line);
+  if (!alone) log_line(o, "root cause: " + line_of(result.workers[static_cast<std::size_t>(root)]));
+  for (const auto& line : ranks) log_line(o, line);
 }
 
 }  // namespace detail

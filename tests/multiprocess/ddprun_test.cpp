@@ -226,6 +226,7 @@ TEST_CASE("ddprun: when rank 0 fails first and the others as a consequence, the 
   CHECK(launcher_lines(p.err_text) ==
         std::vector<std::string>{
             "ddprun: root cause: rank 0 (local 0, pid " + pid(0) + ") exited with code 1: ddp: rank 0: the distinctive root cause 4711",
+            "ddprun: rank 0 (local 0, pid " + pid(0) + ") exited with code 1: ddp: rank 0: the distinctive root cause 4711",
             "ddprun: rank 1 (local 1, pid " + pid(1) + ") exited with code 1: ddp: rank 1" + consequence,
             "ddprun: rank 2 (local 2, pid " + pid(2) + ") exited with code 1: ddp: rank 2" + consequence});
   CHECK(ddp::test::survivors(all_pids(recorded), 5s).empty());
@@ -366,9 +367,9 @@ TEST_CASE("ddprun: a bad environment gives one line on every rank and a non-zero
       }
     }
     // Each rank fails on its own within the settle period: each says why, and the summary
-    // repeats every rank's line, the first as the root cause.
+    // names the root cause, then repeats every rank's line.
     CHECK(worker_lines == 2);
-    CHECK(summary_lines == 2);
+    CHECK(summary_lines == 3);
     CHECK(launcher_lines(p.err_text).at(0).rfind("ddprun: root cause: rank ", 0) == 0);
   }
 }
