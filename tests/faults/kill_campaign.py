@@ -57,7 +57,7 @@ CATEGORIES = (
     ("slow_end", "job ended later than the bound"),
     ("summary_cause", "ddprun's first line is not the root cause"),
     ("summary_errors", "ddprun's summary lacks a rank's last error"),
-    ("leaked_process", "a process of the job remained (or outlived 2 x DDP_TIMEOUT + 5 s)"),
+    ("leaked_process", "a process of the job remained"),
     ("leaked_shm", "a /dev/shm entry of the job remained"),
     ("leaked_fd", "a descriptor or mapping of the job remained"),
     ("not_started", "the job failed before the kill"),
