@@ -520,6 +520,61 @@ TEST_CASE("ring: ranks calling different ops, dtypes, counts or roots all fail w
     }
 }
 
+TEST_CASE("ring: a failure report names its root first, whatever path it travelled") {
+  using ddp::algo::detail::failure_report;
+  // Rank 2 saw rank 1 die; rank 3 relayed it to rank 0.
+  const failure_report seen{.root = 1, .chain = {2}, .cause = "peer rank 1 closed the connection"};
+  CHECK(seen.describe() == "peer rank 1 closed the connection");
+  auto relayed = failure_report::decode(seen.encode(), 2);
+  CHECK(relayed.root == 1);
+  relayed.chain.push_back(3);
+  CHECK(relayed.describe() == "peer rank 1 closed the connection; seen by rank 2");
+  auto at_zero = failure_report::decode(relayed.encode(), 3);
+  at_zero.chain.push_back(0);
+  CHECK(at_zero.describe() == "peer rank 1 closed the connection; seen by rank 2, relayed by rank 3");
+  // A rank that failed by itself (a deadline, a mismatch) is the root of its own report.
+  auto own = failure_report::decode(failure_report{.root = 2, .chain = {2}, .cause = "deadline expired"}.encode(), 2);
+  own.chain.push_back(0);
+  CHECK(own.describe() == "rank 2 failed: deadline expired");
+  // A post of another form is the poster's own cause.
+  auto plain = failure_report::decode("something broke", 3);
+  CHECK(plain.root == 3);
+  CHECK(plain.cause == "something broke");
+  // Spaces in the cause survive.
+  CHECK(failure_report::decode(seen.encode(), 2).cause == seen.cause);
+}
+
+TEST_CASE("ring: when a rank aborts without posting, every rank names it first, not its neighbour") {
+  constexpr int p = 4;
+  constexpr int victim = 1;
+  ddp::store::hash_store store;
+  std::vector<std::string> messages(p);
+  run_threads(p, [&](int r) {
+    ddp::tcp_transport t(store, r, p, "relay");
+    comm_t c(t, {.algorithm = algorithm_choice::ring, .failure_store = &store, .failure_prefix = "relay"});
+    std::vector<float> data(std::size_t{1} << 20, 1.0f);
+    const auto d = make_desc(1, ddp::collective::all_reduce, ddp::dtype::float32, data.size());
+    if (r == victim) {
+      t.abort();  // dies without a word: no report in the store
+      return;
+    }
+    try {
+      c.all_reduce(std::span<float>(data), ddp::sum{}, d, ddp::deadline::after(10s));
+      messages[static_cast<std::size_t>(r)] = "returned normally";
+    } catch (const ddp::error& e) {
+      messages[static_cast<std::size_t>(r)] = e.message();
+    }
+  });
+  for (int r = 0; r < p; ++r) {
+    if (r == victim) continue;
+    const auto& m = messages[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << m);
+    const auto at = m.find("rank ");
+    REQUIRE(at != std::string::npos);
+    CHECK(m.substr(at, 7) == "rank 1 ");
+  }
+}
+
 TEST_CASE("ring: ranks calling broadcast or reduce with different roots are told so") {
   constexpr int p = 3;
   for (auto op : {ddp::collective::broadcast, ddp::collective::reduce}) {

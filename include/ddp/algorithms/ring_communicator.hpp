@@ -13,19 +13,25 @@
 // Failure: any error inside a collective (mismatch, timeout, peer lost) leaves the byte streams in
 // an unknown state, so the communicator aborts its transport (peers see EOF at once and fail too,
 // which is how an error travels around the ring) and every later call fails with the first error.
-// With options::failure_store set, a failing rank first posts its error under
-// <failure_prefix>/failure/<rank>; a rank that then loses that peer quotes it, so the rank that
-// actually died or disagreed is named on every rank:
-//   "peer rank 1 closed the connection (rank 1 reported: peer rank 0 closed the connection)".
+// With options::failure_store set, a failing rank first posts a failure report under
+// <failure_prefix>/failure/<rank>: the rank it blames (the root), the chain of ranks the news
+// travelled through, and the cause as first seen. A rank that then loses that peer adopts the
+// report and names the root first, the path after it, so every rank names the rank that
+// actually died or disagreed, not the neighbour that relayed it:
+//   "peer rank 1 closed the connection; seen by rank 2, relayed by rank 3".
+// A store that is gone is itself news: its server's host is named (tcp_store's hosted_by).
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <exception>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "ddp/algorithms/exchange.hpp"
 #include "ddp/algorithms/pairwise.hpp"
@@ -77,6 +83,65 @@ inline void check_all_to_all_counts(std::size_t in, std::size_t out, int size, c
                 d.context(rank));
   }
 }
+
+namespace detail {
+
+/// What a failing rank posts in the failure store, so that the ranks that lose it can name the
+/// rank at the root of the failure rather than the messenger.
+struct failure_report {
+  int root = -1;           // the rank the cause blames; -1: none known (e.g. the store is gone)
+  std::vector<int> chain;  // the rank that saw the cause, then each rank that relayed it
+  std::string cause;       // the cause as the first rank of the chain saw it
+
+  static constexpr std::string_view tag = "ddp-failure-v1 ";
+
+  /// "ddp-failure-v1 <root> <chain, comma separated> <cause>"
+  std::string encode() const {
+    std::string out(tag);
+    out += std::to_string(root) + " ";
+    for (std::size_t i = 0; i < chain.size(); ++i) out += (i == 0 ? "" : ",") + std::to_string(chain[i]);
+    return out + " " + cause;
+  }
+
+  /// A post of another form (an older rank, another poster) counts as the poster's own cause.
+  static failure_report decode(const std::string& text, int poster) {
+    failure_report r;
+    if (text.starts_with(tag)) {
+      const std::string_view rest = std::string_view(text).substr(tag.size());
+      const auto a = rest.find(' ');
+      const auto b = a == std::string_view::npos ? a : rest.find(' ', a + 1);
+      if (b != std::string_view::npos) {
+        try {
+          r.root = std::stoi(std::string(rest.substr(0, a)));
+          std::string_view list = rest.substr(a + 1, b - a - 1);
+          while (!list.empty()) {
+            const auto comma = list.find(',');
+            r.chain.push_back(std::stoi(std::string(list.substr(0, comma))));
+            list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+          }
+          r.cause = std::string(rest.substr(b + 1));
+          if (!r.chain.empty()) return r;
+        } catch (const std::exception&) {  // malformed: fall through to the plain form
+        }
+      }
+    }
+    return failure_report{.root = poster, .chain = {poster}, .cause = text};
+  }
+
+  /// The message a rank shows: the root's cause first (the first rank it names is the root),
+  /// then who saw it and who passed it on.
+  std::string describe() const {
+    if (chain.empty()) return cause;
+    const int seer = chain.front();
+    if (chain.size() == 1) return cause;
+    std::string out = root == seer ? "rank " + std::to_string(seer) + " failed: " + cause : cause + "; seen by rank " + std::to_string(seer);
+    // The last rank of the chain is the one describing it: the relays lie between.
+    for (std::size_t i = 1; i + 1 < chain.size(); ++i) out += (i == 1 ? ", relayed by rank " : ", then rank ") + std::to_string(chain[i]);
+    return out;
+  }
+};
+
+}  // namespace detail
 
 /// Transport may be a transport type (owned, moved in) or an lvalue reference to one (borrowed).
 template <class Transport>
@@ -241,44 +306,64 @@ class ring_communicator {
 
   [[noreturn]] void fail(const error& e, const collective_desc& d) {
     std::string message = e.message();
-    if (o_.failure_store != nullptr && e.code() == errc::peer_lost && !aborted_.load(std::memory_order_acquire)) {
-      message += reported_by_lost_peer();
-    }
-    failure_ = message;
     if (o_.failure_store != nullptr && !aborted_.load(std::memory_order_acquire)) {
+      const detail::failure_report report = report_for(e);
+      message = report.describe();
       try {
-        o_.failure_store->set_string(failure_key(rank()), message);
+        o_.failure_store->set_string(failure_key(rank()), report.encode());
       } catch (...) {  // the store is a courtesy channel: its failure must not mask this one
       }
     }
+    failure_ = message;
     t_.abort();
     throw error(e.code(), message, d.context(rank()));
   }
 
   std::string failure_key(int r) const { return o_.failure_prefix + "/failure/" + std::to_string(r); }
 
-  /// " (rank N reported: ...)" when the lost peer posted why it left. A transport that names
-  /// the lost peer (lost_peer()) gets that peer's post; otherwise the first post found is quoted.
-  std::string reported_by_lost_peer() {
-    auto posted = [&](int peer, std::chrono::milliseconds wait) -> std::string {
-      try {
-        o_.failure_store->wait({failure_key(peer)}, wait);
-        return " (rank " + std::to_string(peer) + " reported: " + o_.failure_store->get_string(failure_key(peer)) + ")";
-      } catch (...) {
-        return {};
-      }
+  /// This rank's report of `e`: a lost peer's own report when it posted one (this rank joins its
+  /// chain), else this rank's cause, blaming the lost peer or this rank itself.
+  detail::failure_report report_for(const error& e) {
+    detail::failure_report mine{.root = rank(), .chain = {rank()}, .cause = e.message()};
+    if (e.code() != errc::peer_lost) return mine;
+    auto posted = [&](int peer, std::chrono::milliseconds wait) {
+      o_.failure_store->wait({failure_key(peer)}, wait);
+      auto r = detail::failure_report::decode(o_.failure_store->get_string(failure_key(peer)), peer);
+      r.chain.push_back(rank());
+      return r;
     };
-    if constexpr (requires { t_.lost_peer(); }) {
-      // The peer posts before it shuts its sockets, so the key is normally there already;
-      // a peer that was killed posts nothing, and this waits only briefly.
-      const int peer = t_.lost_peer();
-      if (peer >= 0) return posted(peer, std::chrono::milliseconds(10));
+    try {
+      if constexpr (requires { t_.lost_peer(); }) {
+        // The peer posts before it shuts its sockets, so the key is normally there already;
+        // a peer that was killed posts nothing, and this waits only briefly.
+        if (const int peer = t_.lost_peer(); peer >= 0) {
+          mine.root = peer;
+          try {
+            return posted(peer, std::chrono::milliseconds(10));
+          } catch (const error& x) {
+            if (x.code() != errc::timeout) throw;
+            return mine;
+          }
+        }
+      }
+      mine.root = -1;
+      for (int k = 0; k < size(); ++k) {
+        if (k == rank()) continue;
+        try {
+          return posted(k, std::chrono::milliseconds(0));
+        } catch (const error& x) {
+          if (x.code() != errc::timeout) throw;
+        }
+      }
+      return mine;
+    } catch (const error& x) {
+      if (x.code() != errc::store) return mine;
+      // The store's server is gone: its host died (the store says which rank that is), which
+      // is the likelier root than the peer whose connection this rank saw close.
+      return detail::failure_report{.root = -1, .chain = {rank()}, .cause = x.message() + " (and " + e.message() + ")"};
+    } catch (...) {
+      return mine;
     }
-    for (int k = 0; k < size(); ++k) {
-      if (k == rank()) continue;
-      if (auto s = posted(k, std::chrono::milliseconds(0)); !s.empty()) return s;
-    }
-    return {};
   }
 
   Transport t_;
