@@ -422,6 +422,31 @@ TEST_CASE("tcp_store: a stopped server is errc::store at once on its clients") {
   CHECK(std::chrono::steady_clock::now() - start < 100ms);
 }
 
+TEST_CASE("tcp_store: with hosted_by, a lost server names the process that hosted it first") {
+  auto server = std::make_unique<tcp_store_server>(tcp_store_server::options{.port = 0, .token = std::string()});
+  const auto port = server->port();
+  auto o = client_of(*server, 30s);
+  o.hosted_by = "rank 0";
+  tcp_store c(o);
+  c.set_string("k", "v");
+  server.reset();
+  std::string first, later;
+  try {
+    c.get("never-set");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::store);
+    first = e.message();
+  }
+  try {
+    c.set_string("k", "v");
+  } catch (const ddp::error& e) {
+    later = e.message();
+  }
+  CHECK(first.find("the store server at 127.0.0.1:" + std::to_string(port) + " (hosted by rank 0) closed the connection") == 0);
+  CHECK_THAT(first, Catch::EndsWith(": rank 0 exited?"));
+  CHECK_THAT(later, Catch::Contains("(hosted by rank 0) closed the connection"));
+}
+
 TEST_CASE("tcp_store: server process killed while clients wait in get(): errc::store in well under 2 s") {
   std::uint16_t port = 0;
   {

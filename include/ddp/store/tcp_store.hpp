@@ -33,7 +33,9 @@
 //
 // Client: connects with retry until its deadline (the server may start after its clients), then
 // every call is bounded by timeout(). A server that goes away is errc::store at once ("store
-// server 127.0.0.1:29500 closed the connection"), not after the timeout; the client then stays
+// server 127.0.0.1:29500 closed the connection"; with options::hosted_by "rank 0": "the store
+// server at 127.0.0.1:29500 (hosted by rank 0) closed the connection: rank 0 exited?", so that a
+// rank's error names the process that died), not after the timeout; the client then stays
 // failed (no silent reconnect to a restarted server with none of the keys). Thread-safe: calls
 // from several threads are serialized on the one connection. Neither a client nor a server may
 // be used across fork(): create them in the process that uses them (the socket would be shared).
@@ -382,9 +384,10 @@ class tcp_store final : public store {
     std::optional<std::string> token = {};                  // nullopt: see detail::resolve_auth
     store_log_fn log = {};                                  // the server's log, with is_server
     std::string job = {};                                   // this rank's job identity; empty: none
+    std::string hosted_by = {};  // who runs the server, e.g. "rank 0": errors name it; empty: not named
   };
 
-  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job) {
+  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job), hosted_by_(opts.hosted_by) {
     set_timeout(opts.timeout);
     auth_ = detail::resolve_auth(opts.token, job_);
     if (opts.is_server) {
@@ -530,7 +533,7 @@ class tcp_store final : public store {
     recv_exact(header, until, name.c_str(), "");
     const auto st = std::to_integer<std::uint8_t>(header[0]);
     const auto len = detail::get_le<std::uint32_t>(header.data() + 1);
-    if (len > detail::max_response_bytes) fail(errc::store, "store server " + address() + " sent an oversized answer", name.c_str());
+    if (len > detail::max_response_bytes) fail(errc::store, server_name() + " sent an oversized answer", name.c_str());
     std::vector<std::byte> payload(len);
     recv_exact(payload, until, name.c_str(), "");
     switch (static_cast<detail::status>(st)) {
@@ -547,7 +550,7 @@ class tcp_store final : public store {
       case detail::status::invalid_argument:
         throw error(errc::invalid_argument, detail::to_string(payload), {.op = name});
     }
-    fail(errc::store, "store server " + address() + " sent an unknown status " + std::to_string(st), name.c_str());
+    fail(errc::store, server_name() + " sent an unknown status " + std::to_string(st), name.c_str());
   }
 
   std::int64_t read_i64(const std::vector<std::byte>& r, detail::opcode op) {
@@ -557,24 +560,33 @@ class tcp_store final : public store {
 
   [[noreturn]] void protocol_error(detail::opcode op, const std::string& why) {
     std::lock_guard guard(mutex_);
-    fail(errc::store, "store server " + address() + ": " + why, std::string(detail::to_string(op)).c_str());
+    fail(errc::store, server_name() + ": " + why, std::string(detail::to_string(op)).c_str());
   }
+
+  // "store server H:P", or with hosted_by "the store server at H:P (hosted by rank 0)": the
+  // host's name comes first, so a rank's error about a lost store names the process behind it.
+  std::string server_name() const {
+    if (hosted_by_.empty()) return "store server " + address();
+    return "the store server at " + address() + " (hosted by " + hosted_by_ + ")";
+  }
+  std::string gone_hint() const { return hosted_by_.empty() ? std::string() : ": " + hosted_by_ + " exited?"; }
+  std::string hung_hint() const { return hosted_by_.empty() ? std::string() : ": " + hosted_by_ + " hung or stopped?"; }
 
   // Any failure on the connection leaves the stream in an unknown state: close it, and make every
   // later call fail at once with the same reason.
   [[noreturn]] void fail(errc code, const std::string& message, const char* op) {
     fd_.reset();
-    broken_ = "the connection to store server " + address() + " failed earlier: " + message;
+    broken_ = "the connection to " + (hosted_by_.empty() ? server_name() : "the store server at " + address()) + " failed earlier: " + message;
     throw error(code, message, {.op = op});
   }
 
   void send_all(std::span<const std::byte> data, const deadline& until, const char* op) {
     const auto r = detail::send_all_by(fd_.get(), data, until);
     if (r.status == detail::transfer_status::timed_out) {
-      fail(errc::timeout, "store server " + address() + " did not take the request in time", op);
+      fail(errc::timeout, server_name() + " did not take the request in time" + hung_hint(), op);
     }
     if (r.status != detail::transfer_status::done) {
-      fail(errc::store, "store server " + address() + " closed the connection (" + system_message("send", r.err) + ")", op);
+      fail(errc::store, server_name() + " closed the connection (" + system_message("send", r.err) + ")" + gone_hint(), op);
     }
   }
 
@@ -582,16 +594,17 @@ class tcp_store final : public store {
     const auto r = detail::recv_exact_by(fd_.get(), data, until);
     switch (r.status) {
       case detail::transfer_status::done: return;
-      case detail::transfer_status::timed_out: fail(errc::timeout, "store server " + address() + " did not answer in time" + when, op);
-      case detail::transfer_status::closed: fail(errc::store, "store server " + address() + " closed the connection" + when, op);
+      case detail::transfer_status::timed_out: fail(errc::timeout, server_name() + " did not answer in time" + when + hung_hint(), op);
+      case detail::transfer_status::closed: fail(errc::store, server_name() + " closed the connection" + when + gone_hint(), op);
       case detail::transfer_status::failed:
-        fail(errc::store, "store server " + address() + " closed the connection" + when + " (" + system_message("recv", r.err) + ")", op);
+        fail(errc::store, server_name() + " closed the connection" + when + " (" + system_message("recv", r.err) + ")" + gone_hint(), op);
     }
   }
 
   std::string host_;
   std::uint16_t port_;
   std::string job_;
+  std::string hosted_by_;
   detail::store_auth auth_;
   std::unique_ptr<tcp_store_server> server_;
   detail::unique_fd fd_;
