@@ -5,7 +5,7 @@
 // (e.g. ddp::algo::shm_communicator::allocate). Each rank gets its own n elements, in a
 // shared-memory segment that every rank of the group has mapped, so collectives on spans inside
 // it read and write the peers' memory in place instead of copying through staging buffers.
-// Segments are unlinked right after every rank has mapped them: nothing stays in /dev/shm.
+// Segments are anonymous memory (memfd): nothing is ever named in /dev/shm.
 //
 // To the owner it is a plain contiguous, zero-initialized, move-only container of T.
 

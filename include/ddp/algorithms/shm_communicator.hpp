@@ -104,12 +104,14 @@ class shm_communicator {
     a->bytes = bytes;
     a->segments.resize(static_cast<std::size_t>(size_));
     run(d, [&] {
-      a->segments[static_cast<std::size_t>(rank_)] = ddp::detail::shm::shm_segment::create(name + std::to_string(rank_), bytes);
-      barrier_steps(d, dl);  // every rank has created its segment (and asks for the same n)
+      auto& own = a->segments[static_cast<std::size_t>(rank_)];
+      own = ddp::detail::shm::shm_segment::create(name + std::to_string(rank_), bytes);
+      group_.offer(static_cast<std::uint32_t>(d.seq), own.fd());
+      barrier_steps(d, dl);  // every rank has created and offered its segment (and asks for the same n)
       for (int r = 0; r < size_; ++r)
-        if (r != rank_) a->segments[static_cast<std::size_t>(r)] = ddp::detail::shm::shm_segment::open(name + std::to_string(r), bytes);
+        if (r != rank_) a->segments[static_cast<std::size_t>(r)] = group_.open_offer(r, static_cast<std::uint32_t>(d.seq), bytes, "a shared buffer");
       barrier_steps(d, dl);  // every rank has mapped every segment
-      a->segments[static_cast<std::size_t>(rank_)].unlink();
+      own.close_descriptor();
     }, true);
     registry_->add(a);
     return shared_buffer<T>(std::move(a), n);

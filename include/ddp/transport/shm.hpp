@@ -4,8 +4,10 @@
 // Every ordered pair (src -> dst) has a single-producer/single-consumer ring buffer (4 MiB by
 // default) in dst's segment: a head counter written only by src, a tail counter written only by
 // dst, each on its own cache line, and the data. Counters are byte totals (never wrap in
-// practice), so full and empty are never confused. Segments are unlinked as soon as every rank
-// has mapped them (see detail/shm_group.hpp), so a SIGKILL leaves nothing in /dev/shm.
+// practice), so full and empty are never confused. Segments are anonymous memory (see
+// detail/shm_segment.hpp), so a SIGKILL leaves nothing in /dev/shm. A ring takes memory only once
+// its pair exchanges data (the first send or receive backs it), so a rank's memory grows with
+// the peers it talks to (two in a ring), not with the group.
 //
 // Waiting spins, yields, then sleeps on a futex; a dead peer (its pidfd) is errc::peer_lost
 // "peer rank N (pid P) exited" within one futex slice (10 ms); abort() marks the group aborted in
@@ -18,6 +20,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
@@ -43,7 +46,8 @@ class shm_transport {
   shm_transport(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup, options opts)
       : capacity_(checked_capacity(opts.ring_bytes)),
         group_(st, prefix, "t", rank, size, ring_stride(capacity_) * static_cast<std::size_t>(std::max(size - 1, 1)), setup,
-               opts.wait) {}
+               opts.wait, 0),
+        backed_(static_cast<std::size_t>(size), 0) {}
 
   int rank() const noexcept { return group_.rank(); }
   int size() const noexcept { return group_.size(); }
@@ -84,9 +88,12 @@ class shm_transport {
   }
 
   // The ring src -> dst lives in dst's segment, slot src (skipping dst itself).
-  ring_view ring(int src, int dst) const noexcept {
+  static std::size_t ring_offset(int src, int dst, std::size_t capacity) noexcept {
     const int slot = src < dst ? src : src - 1;
-    std::byte* base = group_.payload(dst) + static_cast<std::size_t>(slot) * ring_stride(capacity_);
+    return static_cast<std::size_t>(slot) * ring_stride(capacity);
+  }
+  ring_view ring(int src, int dst) const noexcept {
+    std::byte* base = group_.payload(dst) + ring_offset(src, dst, capacity_);
     return {reinterpret_cast<counter*>(base), reinterpret_cast<counter*>(base + detail::shm::cache_line), base + 2 * detail::shm::cache_line};
   }
 
@@ -134,7 +141,24 @@ class shm_transport {
     }
   }
 
+  // Backs the rings this exchange uses with memory, once per ring.
+  void back(int to, bool sending, int from, bool receiving, const char* op) {
+    auto once = [&](int src, int dst, std::uint8_t bit, int peer) {
+      auto& done = backed_[static_cast<std::size_t>(peer)];
+      if ((done & bit) != 0) return;
+      try {
+        group_.populate(dst, ring_offset(src, dst, capacity_), ring_stride(capacity_));
+      } catch (const error& e) {
+        throw error(e.code(), e.message(), {.rank = rank(), .op = op});
+      }
+      done = static_cast<std::uint8_t>(done | bit);
+    };
+    if (sending) once(rank(), to, 1, to);
+    if (receiving) once(from, rank(), 2, from);
+  }
+
   void exchange(int to, std::span<const std::byte> out, int from, std::span<std::byte> in, deadline dl, const char* op) {
+    back(to, !out.empty(), from, !in.empty(), op);
     std::size_t sent = 0, got = 0;
     while (sent < out.size() || got < in.size()) {
       std::size_t moved = 0;
@@ -168,6 +192,7 @@ class shm_transport {
 
   std::size_t capacity_;
   mutable detail::shm::shm_group group_;
+  std::vector<std::uint8_t> backed_;  // by peer: 1 the ring to it is backed, 2 the ring from it
 };
 
 static_assert(ddp::transport<shm_transport>);

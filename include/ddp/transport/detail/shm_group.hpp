@@ -2,9 +2,10 @@
 // shm_group: the ranks of one host sharing one segment each, set up through the store.
 //
 // Rendezvous (keys under "<prefix>shm/<tag>/"): rank 0 draws a random job id; every rank creates
-// its segment "/ddp-<prefix>-<job>-<tag>-r<rank>", publishes "ready/<rank>" = "<pid> <host>",
-// maps every peer's segment, publishes "mapped/<rank>", and once all ranks have mapped it
-// unlinks its own. From then on nothing is left in /dev/shm, whatever happens to the processes.
+// its segment (anonymous memory, shm_segment.hpp), publishes "ready/<rank>" = "<pid> <fd> <host>",
+// maps every peer's segment through /proc/<pid>/fd/<fd>, publishes "mapped/<rank>", and once all
+// ranks have mapped it closes its descriptor. No segment ever has a name, so nothing can be left
+// in /dev/shm whatever happens to the processes, at any moment.
 //
 // Waiting: spin (cpu pause), then sched_yield, then FUTEX_WAIT in slices on one doorbell word
 // of the group (in rank 0's segment). A waiter registers in `sleepers` before sleeping, and a
@@ -22,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <optional>
 #include <random>
@@ -62,9 +64,11 @@ class shm_group {
  public:
   static constexpr std::size_t header_bytes = 4096;  // identity + job line; the payload starts page aligned
 
-  /// Collective over the `size` ranks: each calls it with the same prefix and tag.
+  /// Collective over the `size` ranks: each calls it with the same prefix and tag. Each rank's
+  /// payload is backed by memory up to `reserved_payload` bytes; the rest when it is populate()d
+  /// or written.
   shm_group(ddp::store::store& st, const std::string& prefix, const std::string& tag, int rank, int size,
-            std::size_t payload_bytes, deadline dl, shm_wait_policy policy = {})
+            std::size_t payload_bytes, deadline dl, shm_wait_policy policy = {}, std::size_t reserved_payload = SIZE_MAX)
       : rank_(rank), size_(size), policy_(policy), payload_bytes_(round_up(payload_bytes, 4096)) {
     if (size < 1 || rank < 0 || rank >= size) {
       throw error(errc::invalid_argument, "shm group: rank " + std::to_string(rank) + " of size " + std::to_string(size) + " is out of range");
@@ -83,7 +87,8 @@ class shm_group {
     base_ = segment_name(prefix, job, tag);
     const std::size_t bytes = header_bytes + payload_bytes_;
     segments_.resize(static_cast<std::size_t>(size));
-    segments_[static_cast<std::size_t>(rank)] = shm_segment::create(base_ + "-r" + std::to_string(rank), bytes);
+    segments_[static_cast<std::size_t>(rank)] = shm_segment::create(base_ + "-r" + std::to_string(rank), bytes,
+                                                                            header_bytes + std::min(reserved_payload, payload_bytes_));
     auto* me = identity_of(segments_[static_cast<std::size_t>(rank)].data());
     me->pid = ::getpid();
     me->rank = rank;
@@ -92,7 +97,8 @@ class shm_group {
     me->magic = identity::magic_value;
     asymmetric_ = me->membarrier == 1;
     const std::string host = hostname();
-    st.set_string(keys + "ready/" + std::to_string(rank), std::to_string(::getpid()) + " " + host);
+    st.set_string(keys + "ready/" + std::to_string(rank),
+                  std::to_string(::getpid()) + " " + std::to_string(segments_[static_cast<std::size_t>(rank)].fd()) + " " + host);
 
     std::vector<std::string> ready;
     for (int r = 0; r < size; ++r) ready.push_back(keys + "ready/" + std::to_string(r));
@@ -102,14 +108,18 @@ class shm_group {
     for (int r = 0; r < size; ++r) {
       if (r == rank) continue;
       const std::string value = st.get_string(ready[static_cast<std::size_t>(r)]);
-      const auto space = value.find(' ');
-      const std::string peer_host = space == std::string::npos ? "" : value.substr(space + 1);
+      long long peer_pid = 0;
+      int peer_fd = -1, host_at = 0;
+      if (std::sscanf(value.c_str(), "%lld %d %n", &peer_pid, &peer_fd, &host_at) < 2 || host_at <= 0) {
+        throw error(errc::internal, "shm group: rank " + std::to_string(r) + " published '" + value + "', not '<pid> <fd> <host>'");
+      }
+      const std::string peer_host = value.substr(static_cast<std::size_t>(host_at));
       if (peer_host != host) {
         throw error(errc::config, "rank " + std::to_string(r) + " runs on host '" + peer_host + "', this rank on '" + host +
                                       "': shared memory needs every rank of the group on one host");
       }
       auto& seg = segments_[static_cast<std::size_t>(r)];
-      seg = shm_segment::open(base_ + "-r" + std::to_string(r), bytes);
+      seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "rank " + std::to_string(r));
       const auto* id = identity_of(seg.data());
       if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
         throw error(errc::internal, "shared-memory segment " + seg.name() + " does not belong to rank " + std::to_string(r));
@@ -123,7 +133,7 @@ class shm_group {
     std::vector<std::string> mapped;
     for (int r = 0; r < size; ++r) mapped.push_back(keys + "mapped/" + std::to_string(r));
     store_wait(st, mapped, dl);
-    segments_[static_cast<std::size_t>(rank)].unlink();
+    segments_[static_cast<std::size_t>(rank)].close_descriptor();
   }
 
   shm_group(const shm_group&) = delete;
@@ -133,8 +143,30 @@ class shm_group {
   int size() const noexcept { return size_; }
   pid_t pid_of(int r) const noexcept { return pids_[static_cast<std::size_t>(r)]; }
   bool oversubscribed() const noexcept { return oversubscribed_; }
-  /// "/ddp-<prefix>-<job>-<tag>": names of further segments of this group start with it.
+  /// "ddp-<prefix>-<job>-<tag>": labels of further segments of this group start with it.
   const std::string& name_base() const noexcept { return base_; }
+
+  /// Publishes this process's descriptor `fd` of a further segment, as number `seq`, in this
+  /// rank's header. Peers open it with open_offer() once they know it is there (after a barrier
+  /// that follows the offer); one offer at a time, as collective allocations come one at a time.
+  void offer(std::uint32_t seq, int fd) noexcept {
+    identity_of(segments_[static_cast<std::size_t>(rank_)].data())
+        ->offer.store(static_cast<std::uint64_t>(seq) << 32 | static_cast<std::uint32_t>(fd), std::memory_order_release);
+  }
+  /// Maps the segment that rank r offered as number `seq`.
+  shm_segment open_offer(int r, std::uint32_t seq, std::size_t bytes, const std::string& what) const {
+    const std::uint64_t word = identity_of(segments_[static_cast<std::size_t>(r)].data())->offer.load(std::memory_order_acquire);
+    if (static_cast<std::uint32_t>(word >> 32) != seq) {
+      throw error(errc::internal, "rank " + std::to_string(r) + " offered segment " + std::to_string(word >> 32) + " for " + what +
+                                      ", expected " + std::to_string(seq));
+    }
+    return shm_segment::open(pid_of(r), static_cast<int>(static_cast<std::uint32_t>(word)), bytes, "rank " + std::to_string(r));
+  }
+
+  /// Backs [offset, offset + bytes) of rank r's payload with memory now (see shm_segment::populate).
+  void populate(int r, std::size_t offset, std::size_t bytes) const {
+    segments_[static_cast<std::size_t>(r)].populate(header_bytes + offset, bytes);
+  }
 
   /// Rank r's payload, mapped in this process.
   std::byte* payload(int r) const noexcept { return segments_[static_cast<std::size_t>(r)].data() + header_bytes; }
@@ -269,12 +301,13 @@ class shm_group {
 
  private:
   struct identity {
-    static constexpr std::uint64_t magic_value = 0x6464702d73686d32;  // "ddp-shm2"
+    static constexpr std::uint64_t magic_value = 0x6464702d73686d33;  // "ddp-shm3"
     std::uint64_t magic;
     std::int32_t pid;
     std::int32_t rank;
     std::int32_t size;
     std::int32_t membarrier;  // 1: this rank's process is registered for membarrier_global()
+    std::atomic<std::uint64_t> offer;  // see offer()
   };
   struct alignas(cache_line) job_line {
     std::atomic<std::uint32_t> doorbell;

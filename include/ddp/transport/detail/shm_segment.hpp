@@ -1,6 +1,6 @@
 #pragma once
 // POSIX shared-memory primitives for the shm transport and the shm algorithms:
-// named segments (shm_open + mmap, unlinked as soon as every rank has mapped them),
+// anonymous segments (memfd_create + mmap, shared through /proc/<pid>/fd, never named),
 // futex waits on shared words, and pidfds to notice a dead peer.
 //
 // Why pidfds: a SIGKILLed peer stays a zombie until its parent reaps it, so kill(pid, 0)
@@ -12,16 +12,21 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <optional>
 #include <string>
@@ -85,7 +90,8 @@ inline bool register_membarrier() noexcept { return membarrier_command(MEMBARRIE
 /// A full memory barrier on every CPU running a registered process.
 inline bool membarrier_global() noexcept { return membarrier_command(MEMBARRIER_CMD_GLOBAL_EXPEDITED); }
 
-/// A segment name: '/' + a portable file name (letters, digits, '.', '_', '-'), at most 200 characters.
+/// A label for a segment, shown in /proc/<pid>/fd and /proc/<pid>/maps as "memfd:<label>": a
+/// portable file name (letters, digits, '.', '_', '-') of at most 200 characters.
 inline std::string segment_name(std::string_view prefix, std::string_view job, std::string_view what) {
   std::string clean;
   for (char c : prefix) {
@@ -93,11 +99,76 @@ inline std::string segment_name(std::string_view prefix, std::string_view job, s
     clean += ok ? c : '_';
   }
   if (clean.size() > 100) clean.resize(100);
-  return "/ddp-" + clean + "-" + std::string(job) + "-" + std::string(what);
+  return "ddp-" + clean + "-" + std::string(job) + "-" + std::string(what);
 }
 
-/// One mapping of a named shared-memory segment. The creator unlinks it (unlink(), or at the
-/// latest in the destructor), so a segment outlives its name only while ranks are mapping it.
+/// What limits the memory a segment needs: the memory cgroup's limit when there is one (then
+/// `headroom` is what is left under it), else the machine's available memory.
+inline std::string shared_memory_limit(std::optional<std::size_t>* headroom = nullptr) {
+  auto first_line = [](const std::string& path) {
+    std::string line;
+    if (FILE* f = std::fopen(path.c_str(), "re")) {
+      char buf[256];
+      if (std::fgets(buf, sizeof buf, f) != nullptr) line = buf;
+      std::fclose(f);
+    }
+    while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+    return line;
+  };
+  auto left_under = [](const std::string& max, const std::string& used) -> std::size_t {
+    const unsigned long long m = std::strtoull(max.c_str(), nullptr, 10), u = std::strtoull(used.c_str(), nullptr, 10);
+    return m > u ? static_cast<std::size_t>(m - u) : 0;
+  };
+  // cgroup v2: "0::/path"; v1: a line "N:memory:/path" (limit_in_bytes is huge when unlimited).
+  std::string v2, v1;
+  if (FILE* f = std::fopen("/proc/self/cgroup", "re")) {
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, f) != nullptr) {
+      std::string line = buf;
+      while (!line.empty() && line.back() == '\n') line.pop_back();
+      if (line.rfind("0::", 0) == 0) v2 = line.substr(3);
+      const auto at = line.find(":memory:");
+      if (at != std::string::npos) v1 = line.substr(at + 8);
+    }
+    std::fclose(f);
+  }
+  if (!v1.empty()) {
+    const std::string dir = "/sys/fs/cgroup/memory" + v1;
+    const std::string max = first_line(dir + "/memory.limit_in_bytes");
+    if (!max.empty() && max.size() < 19) {
+      const std::string used = first_line(dir + "/memory.usage_in_bytes");
+      if (headroom != nullptr && !used.empty()) *headroom = left_under(max, used);
+      return "this job's memory cgroup allows " + max + " bytes (memory.limit_in_bytes) and uses " + first_line(dir + "/memory.usage_in_bytes");
+    }
+  } else if (!v2.empty()) {
+    const std::string dir = "/sys/fs/cgroup" + v2;
+    const std::string max = first_line(dir + "/memory.max");
+    if (!max.empty() && max != "max") {
+      const std::string used = first_line(dir + "/memory.current");
+      if (headroom != nullptr && !used.empty()) *headroom = left_under(max, used);
+      return "this job's cgroup allows " + max + " bytes (memory.max) and uses " + first_line(dir + "/memory.current");
+    }
+  }
+  std::string available;
+  if (FILE* f = std::fopen("/proc/meminfo", "re")) {
+    char buf[256];
+    while (std::fgets(buf, sizeof buf, f) != nullptr)
+      if (std::string_view(buf).rfind("MemAvailable:", 0) == 0) available = buf + 13;
+    std::fclose(f);
+  }
+  while (!available.empty() && (available.front() == ' ' || available.back() == '\n')) {
+    if (available.front() == ' ') available.erase(0, 1);
+    else available.pop_back();
+  }
+  return "the machine has " + (available.empty() ? std::string("?") : available) + " available";
+}
+
+/// One mapping of anonymous shared memory (memfd_create). It has no name in /dev/shm or
+/// anywhere else, so nothing outlives the processes whatever is killed when, and /dev/shm's
+/// size (a container's 64 MiB, say) does not limit it. The creator keeps a descriptor open
+/// until its peers have mapped the memory: they open it as /proc/<pid>/fd/<fd>, which the
+/// kernel allows a process of the same user in the same PID namespace (the ring backend only
+/// puts such ranks in one shared-memory group, see core/host.hpp).
 class shm_segment {
  public:
   shm_segment() = default;
@@ -110,72 +181,115 @@ class shm_segment {
       name_ = std::move(o.name_);
       data_ = std::exchange(o.data_, nullptr);
       bytes_ = std::exchange(o.bytes_, 0);
-      linked_ = std::exchange(o.linked_, false);
+      fd_ = std::exchange(o.fd_, -1);
     }
     return *this;
   }
   ~shm_segment() { release(); }
 
-  /// Creates a new zero-filled segment; its memory is reserved now (posix_fallocate) so that a
-  /// full /dev/shm is a clear error here rather than a SIGBUS on first touch.
-  static shm_segment create(const std::string& name, std::size_t bytes) {
+  /// Creates a new zero-filled segment. Its first `reserved` bytes (all by default) are backed
+  /// now (posix_fallocate), so that too little memory is a clear error here rather than a SIGBUS
+  /// on first touch; the rest takes memory only where some rank calls populate() or writes. The
+  /// descriptor stays open (fd()) until close_descriptor().
+  static shm_segment create(const std::string& name, std::size_t bytes, std::size_t reserved = SIZE_MAX) {
     shm_segment s;
-    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0) throw error(errc::unavailable, system_message("shm_open(" + name + ", O_CREAT)"));
     s.name_ = name;
-    s.linked_ = true;
-    int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-    if (rc == EOPNOTSUPP || rc == EINVAL) rc = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
-    if (rc != 0) {
-      ::close(fd);
-      throw error(errc::unavailable, system_message("reserving " + std::to_string(bytes) + " bytes of shared memory for " + name +
-                                                        " (is /dev/shm too small? e.g. docker needs --ipc=host or --shm-size)",
-                                                    rc));
+    s.fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+    if (s.fd_ < 0) {
+      const int err = errno;
+      throw error(errc::unavailable, system_message("memfd_create(" + name + ")", err) +
+                                         (err == EMFILE || err == ENFILE ? "; " + descriptor_limit_hint() : ""));
     }
-    s.map(fd, bytes);
+    if (::ftruncate(s.fd_, static_cast<off_t>(bytes)) != 0) throw error(errc::unavailable, system_message("ftruncate(" + name + ")"));
+    const std::size_t reserve = std::min(reserved, bytes);
+    // Over a memory cgroup's limit the kernel kills the process instead of failing the call:
+    // check first, so that the common case is a line that says what happened.
+    std::optional<std::size_t> headroom;
+    shared_memory_limit(&headroom);
+    if (headroom && *headroom < reserve) throw out_of_memory(reserve, name, "not enough memory left under the limit");
+    int rc = reserve == 0 ? 0 : ::posix_fallocate(s.fd_, 0, static_cast<off_t>(reserve));
+    if (rc == EOPNOTSUPP || rc == EINVAL) rc = 0;  // a file system without fallocate: backed on first touch
+    if (rc != 0) throw out_of_memory(reserve, name, std::strerror(rc));
+    s.map(s.fd_, bytes);
     return s;
   }
 
-  /// Maps an existing segment created by another rank, checking its size.
-  static shm_segment open(const std::string& name, std::size_t bytes) {
-    shm_segment s;
-    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0) throw error(errc::unavailable, system_message("shm_open(" + name + ")"));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) < bytes) {
-      ::close(fd);
-      throw error(errc::internal, "shared-memory segment " + name + " is " + std::to_string(st.st_size) + " bytes, expected " +
-                                      std::to_string(bytes));
+  /// Backs [offset, offset + bytes) of the mapping with memory now (MADV_POPULATE_WRITE), so a
+  /// shortage is this error and not a SIGBUS later. Kernels before 5.14 lack it: there the
+  /// memory comes on first touch.
+  void populate(std::size_t offset, std::size_t bytes) const {
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t begin = offset / page * page;
+    const std::size_t end = std::min(bytes_, (offset + bytes + page - 1) / page * page);
+    if (end <= begin) return;
+#if defined(MADV_POPULATE_WRITE)
+    if (::madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
+      throw out_of_memory(end - begin, name_, std::strerror(errno));
     }
-    s.name_ = name;
-    s.map(fd, bytes);
+#endif
+  }
+
+  /// Maps the segment that process `pid` created and holds open as descriptor `fd`, checking its
+  /// size. `who` names the creator in messages ("rank 3"). A creator that has exited (or closed
+  /// the descriptor) is errc::peer_lost.
+  static shm_segment open(pid_t pid, int fd, std::size_t bytes, const std::string& who) {
+    shm_segment s;
+    const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+    s.name_ = who + "'s shared memory (" + path + ")";
+    const int mine = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (mine < 0) {
+      const int err = errno;
+      if (err == ENOENT || err == ESRCH) {
+        throw error(errc::peer_lost, who + " (pid " + std::to_string(pid) + ") exited before its shared memory was mapped");
+      }
+      throw error(errc::unavailable, system_message("opening " + s.name_, err) +
+                                         (err == EACCES || err == EPERM
+                                              ? "; the peer must run as the same user and stay dumpable (prctl PR_SET_DUMPABLE), "
+                                                "and /proc must not be mounted with hidepid"
+                                              : err == EMFILE || err == ENFILE ? "; " + descriptor_limit_hint() : ""));
+    }
+    struct stat st {};
+    if (::fstat(mine, &st) != 0 || static_cast<std::size_t>(st.st_size) < bytes) {
+      ::close(mine);
+      throw error(errc::internal, s.name_ + " is " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes));
+    }
+    s.map(mine, bytes);
+    ::close(mine);  // the mapping keeps the memory
     return s;
   }
 
   std::byte* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return bytes_; }
   const std::string& name() const noexcept { return name_; }
+  /// The creator's open descriptor, for peers to open through /proc; -1 once closed.
+  int fd() const noexcept { return fd_; }
 
-  /// Removes the name (the memory stays until the last mapping goes). Only the creator calls it.
-  void unlink() noexcept {
-    if (linked_) ::shm_unlink(name_.c_str());
-    linked_ = false;
+  /// Closes the creator's descriptor (the mapping stays). Call once every peer has mapped it.
+  void close_descriptor() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
   }
 
  private:
+  static error out_of_memory(std::size_t bytes, const std::string& name, const char* why) {
+    return error(errc::unavailable, "shared memory: cannot back " + std::to_string(bytes) + " bytes of " + name + " (" + why +
+                                        "): " + shared_memory_limit() + "; give the job more memory or run fewer ranks per host");
+  }
+  static std::string descriptor_limit_hint() {
+    rlimit lim{};
+    ::getrlimit(RLIMIT_NOFILE, &lim);
+    return "this process may open " + std::to_string(static_cast<unsigned long long>(lim.rlim_cur)) +
+           " files (ulimit -n); raise it (e.g. ulimit -n " + std::to_string(static_cast<unsigned long long>(lim.rlim_max)) + ")";
+  }
+
   void map(int fd, std::size_t bytes) {
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int err = errno;
-    ::close(fd);  // the mapping keeps the memory; no descriptor stays open
-    if (p == MAP_FAILED) {
-      unlink();
-      throw error(errc::unavailable, system_message("mmap of " + std::to_string(bytes) + " bytes of " + name_, err));
-    }
+    if (p == MAP_FAILED) throw error(errc::unavailable, system_message("mmap of " + std::to_string(bytes) + " bytes of " + name_));
     data_ = static_cast<std::byte*>(p);
     bytes_ = bytes;
   }
   void release() noexcept {
-    unlink();
+    close_descriptor();
     if (data_ != nullptr) ::munmap(data_, bytes_);
     data_ = nullptr;
     bytes_ = 0;
@@ -184,7 +298,7 @@ class shm_segment {
   std::string name_;
   std::byte* data_ = nullptr;
   std::size_t bytes_ = 0;
-  bool linked_ = false;
+  int fd_ = -1;
 };
 
 /// Watches peer processes through pidfds. Peers that are this process (ranks as threads) are skipped.
