@@ -8,10 +8,13 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <latch>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -573,6 +576,99 @@ TEST_CASE("ring: when a rank aborts without posting, every rank names it first, 
     REQUIRE(at != std::string::npos);
     CHECK(m.substr(at, 7) == "rank 1 ");
   }
+}
+
+namespace {
+
+// A store whose calls block, once hang() is called, until release(): a store host that was stopped.
+class hanging_store final : public ddp::store::store {
+ public:
+  void hang() {
+    std::lock_guard lock(mutex_);
+    hung_ = true;
+  }
+  void release() {
+    {
+      std::lock_guard lock(mutex_);
+      hung_ = false;
+    }
+    cv_.notify_all();
+  }
+  void set(const std::string& key, std::span<const std::byte> value) override {
+    block();
+    inner_.set(key, value);
+  }
+  std::vector<std::byte> get(const std::string& key) override {
+    block();
+    return inner_.get(key);
+  }
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
+    block();
+    return inner_.add(key, delta);
+  }
+  std::vector<std::byte> compare_set(const std::string& key, std::span<const std::byte> expected,
+                                     std::span<const std::byte> desired) override {
+    block();
+    return inner_.compare_set(key, expected, desired);
+  }
+  using ddp::store::store::wait;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds t) override {
+    block();
+    inner_.wait(keys, t);
+  }
+  bool erase(const std::string& key) override {
+    block();
+    return inner_.erase(key);
+  }
+  std::int64_t num_keys() override {
+    block();
+    return inner_.num_keys();
+  }
+
+ private:
+  void block() {
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, 30s, [&] { return !hung_; });
+  }
+  ddp::store::hash_store inner_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool hung_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("ring: a failure waits for a hung failure store only briefly, and reports its own cause") {
+  constexpr int p = 2;
+  auto store = std::make_shared<hanging_store>();
+  std::latch meshed(p), hung(p);
+  std::string message;
+  std::chrono::steady_clock::duration took{};
+  run_threads(p, [&](int r) {
+    ddp::tcp_transport t(*store, r, p, "hung");
+    comm_t c(t, {.algorithm = algorithm_choice::ring, .failure_store = store.get(), .failure_prefix = "hung", .failure_store_owner = store});
+    meshed.arrive_and_wait();
+    if (r == 0) store->hang();
+    hung.arrive_and_wait();
+    if (r == 1) {
+      t.abort();  // the peer dies while the store's host is stopped
+      return;
+    }
+    std::vector<float> data(1 << 16, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      c.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(1, ddp::collective::all_reduce, ddp::dtype::float32, data.size()),
+                   ddp::deadline::after(60s));
+      message = "returned normally";
+    } catch (const ddp::error& e) {
+      took = std::chrono::steady_clock::now() - start;
+      message = e.message();
+    }
+  });
+  store->release();
+  INFO(message);
+  CHECK(message.find("peer rank 1 ") == 0);
+  CHECK(took < 1500ms);  // the bound is 1 s; without it, the store's 30 s
 }
 
 TEST_CASE("ring: ranks calling broadcast or reduce with different roots are told so") {

@@ -24,11 +24,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <memory>
+#include <mutex>
 #include <exception>
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -65,6 +70,9 @@ struct ring_communicator_options {
   algo_options tuning{};
   ddp::store::store* failure_store = nullptr;  // optional: where failures are posted (see above)
   std::string failure_prefix = "ddp";
+  // Optional: shares ownership of failure_store, so that a store call the failure path gave up
+  // on (a hung store host) may outlive the communicator; without it the destructor waits for it.
+  std::shared_ptr<ddp::store::store> failure_store_owner = {};
 };
 
 /// all_gather's and all_to_all's argument checks, in elements. A caller that moves a typed call
@@ -153,6 +161,11 @@ class ring_communicator {
 
   template <class U>
   explicit ring_communicator(U&& t, options o = {}) : t_(std::forward<U>(t)), o_(std::move(o)) {}
+  ring_communicator(const ring_communicator&) = delete;
+  ring_communicator& operator=(const ring_communicator&) = delete;
+  ~ring_communicator() {
+    if (store_call_.joinable()) store_call_.join();
+  }
 
   int rank() const { return t_.rank(); }
   int size() const { return t_.size(); }
@@ -176,7 +189,7 @@ class ring_communicator {
   template <dtype_like E, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<E> data, Op op, const collective_desc& d, deadline dl) {
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() == 1) return finish_local(data, op);
       if (choose(data.size_bytes()) == algorithm_choice::small_message) direct_all_reduce(t_, data, op, d, dl);
       else ring_all_reduce(t_, data, op, d, dl, o_.tuning);
@@ -186,7 +199,7 @@ class ring_communicator {
   template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
     check_root(root, d);
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() > 1) chain_broadcast(t_, data, root, d, dl, o_.tuning);
     });
   }
@@ -199,7 +212,7 @@ class ring_communicator {
     requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
     check_root(root, d);
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() == 1) return finish_local(data, op);
       if (choose(data.size_bytes()) == algorithm_choice::small_message) direct_reduce(t_, data, root, op, d, dl);
       else ring_reduce(t_, data, root, op, d, dl, o_.tuning);
@@ -209,7 +222,7 @@ class ring_communicator {
   template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     check_all_gather_counts(in.size(), out.size(), size(), d, rank());
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() == 1) return void(std::copy(in.begin(), in.end(), out.begin()));
       ring_all_gather(t_, in, out, d, dl, o_.tuning);
     });
@@ -226,7 +239,7 @@ class ring_communicator {
       throw error(errc::invalid_argument, "reduce_scatter: the input holds " + std::to_string(in.size()) + " elements, expected size * output = " +
                                               std::to_string(out.size() * static_cast<std::size_t>(size())), d.context(rank()));
     }
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() == 1) {
         std::copy(in.begin(), in.end(), out.begin());
         return finish_local(out, op);
@@ -238,14 +251,14 @@ class ring_communicator {
   template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
     check_all_to_all_counts(in.size(), out.size(), size(), d, rank());
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() == 1) return void(std::copy(in.begin(), in.end(), out.begin()));
       pairwise_all_to_all(t_, in, out, d, dl);
     });
   }
 
   void barrier(const collective_desc& d, deadline dl) {
-    run(d, [&] {
+    run(d, dl, [&] {
       if (size() > 1) dissemination_barrier(t_, d, dl);
     });
   }
@@ -253,13 +266,13 @@ class ring_communicator {
   template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& d, deadline dl) {
     check_peer(peer, d);
-    run(d, [&] { algo::send(t_, data, peer, d, dl); });
+    run(d, dl, [&] { algo::send(t_, data, peer, d, dl); });
   }
 
   template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& d, deadline dl) {
     check_peer(peer, d);
-    run(d, [&] { algo::recv(t_, data, peer, d, dl); });
+    run(d, dl, [&] { algo::recv(t_, data, peer, d, dl); });
   }
 
   /// Unblocks every waiter (they fail with peer_lost) and makes later calls fail. Never blocks.
@@ -290,7 +303,7 @@ class ring_communicator {
   }
 
   // Not a template over the body: compiled once, not once per collective x element type.
-  void run(const collective_desc& d, ddp::detail::function_ref<void()> body) {
+  void run(const collective_desc& d, const deadline& dl, ddp::detail::function_ref<void()> body) {
     if (!failure_.empty()) {
       throw error(errc::peer_lost, "the communicator is unusable after an earlier failure: " + failure_, d.context(rank()));
     }
@@ -300,55 +313,106 @@ class ring_communicator {
     try {
       body();
     } catch (const error& e) {
-      fail(e, d);
+      fail(e, d, dl);
     }
   }
 
-  [[noreturn]] void fail(const error& e, const collective_desc& d) {
+  /// The longest a failure path waits for the failure store: its host may be the rank that hung.
+  static constexpr std::chrono::milliseconds store_bound_max{1000};
+  /// ... and at least this, so that a report reaches a healthy store even at the deadline.
+  static constexpr std::chrono::milliseconds store_bound_min{100};
+
+  [[noreturn]] void fail(const error& e, const collective_desc& d, const deadline& dl) {
     std::string message = e.message();
     if (o_.failure_store != nullptr && !aborted_.load(std::memory_order_acquire)) {
-      const detail::failure_report report = report_for(e);
-      message = report.describe();
-      try {
-        o_.failure_store->set_string(failure_key(rank()), report.encode());
-      } catch (...) {  // the store is a courtesy channel: its failure must not mask this one
-      }
+      message = exchange_reports(e, std::clamp(dl.remaining(), store_bound_min, store_bound_max)).describe();
     }
     failure_ = message;
     t_.abort();
     throw error(e.code(), message, d.context(rank()));
   }
 
-  std::string failure_key(int r) const { return o_.failure_prefix + "/failure/" + std::to_string(r); }
+  // What fail() and the thread that talks to the store share.
+  struct report_exchange {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    detail::failure_report report;
+  };
 
-  /// This rank's report of `e`: a lost peer's own report when it posted one (this rank joins its
-  /// chain), else this rank's cause, blaming the lost peer or this rank itself.
-  detail::failure_report report_for(const error& e) {
-    detail::failure_report mine{.root = rank(), .chain = {rank()}, .cause = e.message()};
-    if (e.code() != errc::peer_lost) return mine;
+  /// Reads the lost peer's report and posts this rank's, on a thread of its own, waiting for it
+  /// at most `bound`: a store whose host is stopped must not hold the failure up (its calls
+  /// block until the store's own timeout). A call still blocked after `bound` is left to finish
+  /// on its own; this rank then reports what it has (the lost peer's report if that was read).
+  detail::failure_report exchange_reports(const error& e, std::chrono::milliseconds bound) {
+    int lost = -1;
+    if constexpr (requires { t_.lost_peer(); }) lost = t_.lost_peer();
+    auto x = std::make_shared<report_exchange>();
+    x->report = detail::failure_report{.root = e.code() == errc::peer_lost ? lost : rank(), .chain = {rank()}, .cause = e.message()};
+    if (store_call_.joinable()) store_call_.join();  // an earlier failure's, left behind
+    try {
+      store_call_ = std::thread([x, store = o_.failure_store, owner = o_.failure_store_owner, prefix = o_.failure_prefix, me = rank(),
+                                 n = size(), lost, code = e.code(), cause = e.message()] {
+        (void)owner;  // held, not used: keeps the store alive while this call may outlive fail()
+        const auto report = report_for(*store, prefix, me, n, lost, code, cause);
+        {
+          std::lock_guard lock(x->mutex);
+          x->report = report;
+        }
+        try {
+          store->set_string(failure_key(prefix, me), report.encode());
+        } catch (...) {  // the store is a courtesy channel: its failure must not mask this one
+        }
+        std::lock_guard lock(x->mutex);
+        x->done = true;
+        x->done_cv.notify_all();
+      });
+    } catch (const std::system_error&) {  // no thread to be had: report without the store
+      return x->report;
+    }
+    std::unique_lock lock(x->mutex);
+    if (x->done_cv.wait_for(lock, bound, [&] { return x->done; })) {
+      lock.unlock();
+      store_call_.join();
+      return x->report;
+    }
+    // The lost peer's report when that much was read, else this rank's own.
+    auto report = x->report;
+    lock.unlock();
+    if (o_.failure_store_owner) store_call_.detach();  // it holds the store; the process may end first
+    return report;
+  }
+
+  static std::string failure_key(const std::string& prefix, int r) { return prefix + "/failure/" + std::to_string(r); }
+
+  /// This rank's report of its error: the lost peer's own report when it posted one (this rank
+  /// joins its chain), else this rank's cause, blaming the lost peer or this rank itself.
+  /// `lost`: the peer whose connection failed, -1 when unknown (then any posted report is taken).
+  static detail::failure_report report_for(ddp::store::store& store, const std::string& prefix, int me, int n, int lost, errc code,
+                                           const std::string& cause) {
+    detail::failure_report mine{.root = me, .chain = {me}, .cause = cause};
+    if (code != errc::peer_lost) return mine;
     auto posted = [&](int peer, std::chrono::milliseconds wait) {
-      o_.failure_store->wait({failure_key(peer)}, wait);
-      auto r = detail::failure_report::decode(o_.failure_store->get_string(failure_key(peer)), peer);
-      r.chain.push_back(rank());
+      store.wait({failure_key(prefix, peer)}, wait);
+      auto r = detail::failure_report::decode(store.get_string(failure_key(prefix, peer)), peer);
+      r.chain.push_back(me);
       return r;
     };
     try {
-      if constexpr (requires { t_.lost_peer(); }) {
+      if (lost >= 0) {
         // The peer posts before it shuts its sockets, so the key is normally there already;
         // a peer that was killed posts nothing, and this waits only briefly.
-        if (const int peer = t_.lost_peer(); peer >= 0) {
-          mine.root = peer;
-          try {
-            return posted(peer, std::chrono::milliseconds(10));
-          } catch (const error& x) {
-            if (x.code() != errc::timeout) throw;
-            return mine;
-          }
+        mine.root = lost;
+        try {
+          return posted(lost, std::chrono::milliseconds(10));
+        } catch (const error& x) {
+          if (x.code() != errc::timeout) throw;
+          return mine;
         }
       }
       mine.root = -1;
-      for (int k = 0; k < size(); ++k) {
-        if (k == rank()) continue;
+      for (int k = 0; k < n; ++k) {
+        if (k == me) continue;
         try {
           return posted(k, std::chrono::milliseconds(0));
         } catch (const error& x) {
@@ -360,7 +424,7 @@ class ring_communicator {
       if (x.code() != errc::store) return mine;
       // The store's server is gone: its host died (the store says which rank that is), which
       // is the likelier root than the peer whose connection this rank saw close.
-      return detail::failure_report{.root = -1, .chain = {rank()}, .cause = x.message() + " (and " + e.message() + ")"};
+      return detail::failure_report{.root = -1, .chain = {me}, .cause = x.message() + " (and " + cause + ")"};
     } catch (...) {
       return mine;
     }
@@ -370,6 +434,7 @@ class ring_communicator {
   options o_;
   std::atomic<bool> aborted_{false};
   std::string failure_;
+  std::thread store_call_;  // the failure path's store exchange (see exchange_reports)
 };
 
 template <class U>

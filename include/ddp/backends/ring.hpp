@@ -167,6 +167,7 @@ class ring_backend {
     co.algorithm = s_->options.algorithm;
     co.small_message_bytes = s_->options.small_message_bytes;
     co.failure_store = s_->store.get();
+    co.failure_store_owner = s_->store;  // a hung store host must not hold up a failure (ring_communicator)
     co.failure_prefix = s_->options.prefix;
     tcp_options to = s_->options.tcp;
     to.timeout = s_->options.timeout;
