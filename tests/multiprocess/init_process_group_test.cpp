@@ -1,8 +1,9 @@
 // init_process_group: from torchrun-style environment variables in forked children (rank 0
 // serves the tcp_store at MASTER_ADDR:MASTER_PORT), a world of one without any store, explicit
 // overrides with a given store, the backend registry, and the errors for unknown or
-// not-compiled-in backends and bad environments.
+// not-compiled-in backends, bad environments and a file limit too low for the job.
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -249,6 +250,33 @@ TEST_CASE("init_process_group: a bad environment is one clear error naming the v
   });
   INFO(result.describe());
   REQUIRE(result.ok());
+}
+
+// Every rank of a job that needs more files than its hard limit allows fails at once with one
+// line naming the limit, the need and the fix, before anyone connects (otherwise the store's host
+// runs out of descriptors halfway and the others wait for their deadline).
+TEST_CASE("init_process_group: a file limit too low for the job is one line on every rank, at once") {
+  const int p = 8;
+  const int port = free_port();
+  const auto start = std::chrono::steady_clock::now();
+  const auto result = ddp::test::run_ranks(
+      p,
+      [&](int rank) {
+        torchrun_env(rank, p, port);
+        rlimit lim{24, 24};
+        check(::setrlimit(RLIMIT_NOFILE, &lim) == 0, "setrlimit");
+        std::string what;
+        const auto code = error_code_of([&] { (void)ddp::init_process_group("ring", {.timeout = 30s, .init_timeout = 30s}); }, &what);
+        check(code == ddp::errc::config, "errc::config, got: " + what);
+        check(what.find("rank " + std::to_string(rank)) != std::string::npos, "names the rank: " + what);
+        check(what.find("a job of 8 ranks needs about") != std::string::npos && what.find("its limit is 24 (hard limit 24)") != std::string::npos &&
+                  what.find("ulimit -n") != std::string::npos,
+              "names the need, the limit and the fix: " + what);
+      },
+      30s);
+  INFO(result.describe());
+  REQUIRE(result.ok());
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
 }
 
 }  // namespace ddp_test_init_process_group
