@@ -11,9 +11,17 @@
 // are PyTorch's own, so with --init-seed 0 the lines (and, on the same CPU, the bits) are
 // PyTorch's. --report FILE (rank 0) writes JSON with the lines, step losses, final parameters'
 // float bits and the training-loop time, as train_ddp's and train_ddp_cpu.py's reports do.
+//
+// --device cuda (the CUDA build: -DDDP_LIBTORCH_CUDA=ON with CUDA and NCCL) trains on GPU
+// LOCAL_RANK with the nccl backend, which orders its collectives after PyTorch's default stream
+// (the legacy stream, nccl_options::compute_stream); data and initial weights are drawn on the CPU
+// as above, then moved, so every rank starts from the same bits.
 
 #include <ddp/adapters/libtorch.hpp>
 #include <ddp/ddp.hpp>
+#if defined(DDP_LIBTORCH_EXAMPLE_CUDA)
+#include <ddp/nccl.hpp>
+#endif
 
 #include <chrono>
 #include <cstdint>
@@ -35,7 +43,8 @@ struct options {
   std::uint64_t data_seed = 42;
   std::int64_t sampler_seed = 0;
   std::optional<std::uint64_t> init_seed;
-  std::string backend = "ring";
+  std::string backend;  // ring on the CPU, nccl on CUDA
+  std::string device = "cpu";
   std::string report;
 };
 
@@ -43,7 +52,7 @@ struct options {
   std::fprintf(stderr,
                "libtorch_ddp: bad argument '%s'\nusage: libtorch_ddp [--init-seed S] [--epochs 3] [--batch-size 32] "
                "[--lr 0.01] [--samples 1024] [--features 10] [--hidden 32] [--classes 2] [--data-seed 42] "
-               "[--sampler-seed 0] [--backend ring|tcp|shm] [--report FILE]\n",
+               "[--sampler-seed 0] [--backend ring|tcp|shm|nccl] [--device cpu|cuda] [--report FILE]\n",
                bad);
   std::exit(2);
 }
@@ -70,6 +79,10 @@ options parse(int argc, char** argv) {
     else if (a == "--data-seed") o.data_seed = std::uint64_t(integer());
     else if (a == "--sampler-seed") o.sampler_seed = integer();
     else if (a == "--backend") o.backend = v;
+    else if (a == "--device") {
+      o.device = v;
+      if (o.device != "cpu" && o.device != "cuda") usage(v);
+    }
     else if (a == "--report") o.report = v;
     else if (a == "--lr") {
       o.lr = std::strtod(v, &end);
@@ -117,8 +130,16 @@ void write_report(const std::string& path, int world, const std::vector<std::str
 }
 
 int run(const options& o) {
-  auto group = ddp::init_process_group(o.backend);  // the launcher's variables, or a world of one
+  const bool cuda = o.device == "cuda";
+#if !defined(DDP_LIBTORCH_EXAMPLE_CUDA)
+  if (cuda) throw std::runtime_error("--device cuda needs the CUDA build (cmake -DDDP_LIBTORCH_CUDA=ON, with CUDA and NCCL)");
+#endif
+  if (cuda && !torch::cuda::is_available()) throw std::runtime_error("--device cuda: PyTorch sees no CUDA device");
+  // The launcher's variables, or a world of one.
+  auto group = ddp::init_process_group(o.backend.empty() ? (cuda ? "nccl" : "ring") : o.backend);
   const int rank = group.rank(), world = group.size();
+  const torch::Device device =
+      cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ddp::launch_environment::from_environment().local_rank)) : torch::kCPU;
   torch::set_num_threads(1);  // one core per rank, as the tutorial under torchrun (OMP_NUM_THREADS=1)
 
   if (o.init_seed) torch::manual_seed(*o.init_seed);  // identical initial weights on every rank
@@ -127,11 +148,12 @@ int run(const options& o) {
   torch::nn::Linear fc1(o.features, o.hidden);
   torch::nn::Linear fc2(o.hidden, o.classes);
   torch::nn::Sequential model(fc1, torch::nn::ReLU(), fc2);
+  model->to(device);
   ddp::torch_data_parallel net{*model, group};  // checks shapes across ranks, broadcasts rank 0's values
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.data_seed);
-  const auto x = torch::randn({o.samples, o.features}, gen);
-  const auto y = torch::randint(0, o.classes, {o.samples}, gen);
+  const auto x = torch::randn({o.samples, o.features}, gen).to(device);
+  const auto y = torch::randint(0, o.classes, {o.samples}, gen).to(device);
 
   ddp::distributed_sampler sampler{o.samples, world, rank, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed}};
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(o.lr));
@@ -147,7 +169,8 @@ int run(const options& o) {
     sampler.set_epoch(epoch);
     double total = 0;  // a Python float, as the tutorial's total_loss
     for (const auto batch : sampler.batches(o.batch_size)) {
-      const auto idx = torch::from_blob(const_cast<std::int64_t*>(batch.data()), {std::int64_t(batch.size())}, torch::kLong);
+      const auto idx =
+          torch::from_blob(const_cast<std::int64_t*>(batch.data()), {std::int64_t(batch.size())}, torch::kLong).to(device);
       net.zero_grad();  // in place: ddp keeps the gradients' memory (not zero_grad()'s set_to_none)
       auto loss = loss_fn(model->forward(x.index_select(0, idx)), y.index_select(0, idx));
       loss.backward();  // each parameter's hook marks it ready: bucket all-reduces overlap backward
@@ -181,7 +204,7 @@ int run(const options& o) {
                            all_sums.begin() + std::ptrdiff_t(r + 1) * std::ptrdiff_t(sums.size()));
     std::vector<float> params;
     for (const auto& p : model->parameters()) {
-      const auto c = p.detach().contiguous();
+      const auto c = p.detach().to(torch::kCPU).contiguous();
       params.insert(params.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
     }
     write_report(o.report, world, lines, by_rank, steps, loop, total_processed[0], params);

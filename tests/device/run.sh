@@ -12,7 +12,8 @@
 #    device targets;
 # 2. ctest -L "gpu|nccl": NCCL collectives of every dtype and reduction against host references,
 #    host operands, compute-stream ordering, mismatch and deadline (these two need 2 GPUs), DDP on
-#    thrust::device_vector, the host-side logic, the benchmark's checked short sweep;
+#    thrust::device_vector, checkpoints of device memory (saved, loaded into device and host
+#    memory, bit for bit), the host-side logic, the benchmark's checked short sweep;
 # 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
 #    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2);
 # 4. ddp_bench_nccl: the all-reduce busbw sweep through ddp next to ncclAllReduce called directly
@@ -101,7 +102,7 @@ fi
 build_targets() {  # one make per target, side by side (a make given several targets runs them in turn)
   cmake --build "$build" --target ddp_catch_main || return 1
   local pids=() target status=0
-  for target in nccl_host_logic_test nccl_backend_test ddp_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
+  for target in nccl_host_logic_test nccl_backend_test ddp_device_test checkpoint_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
     cmake --build "$build" -j "$jobs" --target "$target" &
     pids+=($!)
   done
@@ -146,5 +147,22 @@ if [ "$gpus" -ge 1 ]; then
 else
   summary+=("SKIP  train_ddp_cuda vs cpu: no GPU")
   summary+=("SKIP  nccl all-reduce sweep: no GPU")
+fi
+
+# libtorch's CUDA path (examples/libtorch_ddp --device cuda, nccl backend) needs a PyTorch venv on
+# this machine (the CUDA wheel and its nvidia-* libraries, about 3 GB: too large to travel with
+# the tree); where one exists (DDP_TORCH_VENV, or build/torch-venv from tools/torch-venv.sh) it is
+# built and run against the golden lines.
+venv=${DDP_TORCH_VENV:-$PWD/build/torch-venv}
+if [ "$gpus" -ge 1 ] && [ -x "$venv/bin/python" ]; then
+  libtorch_cuda() {
+    cmake -S . -B "$build-libtorch" -DCMAKE_BUILD_TYPE=Release -DDDP_LIBTORCH_CUDA=ON -DDDP_TORCH_VENV="$venv" \
+          -DDDP_ENABLE_MPI=OFF -DDDP_BUILD_BENCH=OFF >/dev/null &&
+      cmake --build "$build-libtorch" -j "$jobs" --target libtorch_ddp ddprun &&
+      ctest --test-dir "$build-libtorch" -R "libtorch_cuda_w[12]$" --output-on-failure --timeout 300
+  }
+  step "libtorch CUDA path (libtorch_ddp --device cuda)" libtorch_cuda
+else
+  summary+=("SKIP  libtorch CUDA path: needs a GPU and a PyTorch venv on this machine ($venv)")
 fi
 finish

@@ -114,9 +114,9 @@ def python_reference(a, w, d):
     raise SystemExit(f"FAIL: the PyTorch reference run (W={w}) failed three times (exit {rc}):\n{err[-2000:]}")
 
 
-def run_example(a, w, launcher, d):
+def run_example(a, w, launcher, d, extra=()):
     report = os.path.join(d, f"libtorch_w{w}_{launcher}.json")
-    args = [a.example, "--init-seed", "0", "--report", report]
+    args = [a.example, "--init-seed", "0", "--report", report] + list(extra)
     if launcher == "none":
         cmd = args
     elif launcher == "mpirun":
@@ -197,6 +197,29 @@ def case_torchrun(a, w, d):
     return ok
 
 
+def case_cuda(a, w, d):
+    """The CUDA build on GPUs (nccl backend): the golden lines within 2e-3 (GPU kernels sum in
+    another order than the CPU's, so not bit for bit)."""
+    rc, out, err = run([a.example, "--device", "cuda", "--epochs", "0"], "libtorch_ddp --device cuda")
+    for reason in ("needs the CUDA build", "sees no CUDA device"):
+        if rc != 0 and reason in err:
+            print(f"SKIPPED: {err.strip().splitlines()[-1]}")
+            sys.exit(77)
+    if rc != 0:
+        raise SystemExit(f"FAIL: libtorch_ddp --device cuda --epochs 0: exit {rc}\n{err[-2000:]}")
+    gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ") if shutil.which("nvidia-smi") else 0
+    if gpus < w:
+        print(f"SKIPPED: {w} ranks need {w} GPUs, this machine has {gpus}")
+        sys.exit(77)
+    lines, mine = run_example(a, w, "none" if w == 1 else "ddprun", d, ["--device", "cuda"])
+    with open(os.path.join(a.source, "tests", "data", "training.json")) as f:
+        golden = json.load(f)[f"W{w}_simulated"]["tutorial_print_lines"]
+    value = lambda l: float(l.rsplit("=", 1)[1])
+    ok = len(lines) == len(golden) and all(abs(value(x) - value(y)) <= 2e-3 for x, y in zip(lines, golden))
+    print(("ok    " if ok else "FAIL: ") + f"libtorch_ddp --device cuda W={w}: {lines} vs golden {golden} (within 2e-3)")
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--example", required=True)
@@ -218,6 +241,8 @@ def main():
             ok = case_mpirun(a, w, d)
         elif kind == "torchrun":
             ok = case_torchrun(a, w, d)
+        elif kind == "cuda":
+            ok = case_cuda(a, w, d)
         else:
             raise SystemExit(f"unknown case {a.case}")
     print(f"{'PASS' if ok else 'FAIL'} {a.case} ({time.monotonic() - start:.1f} s)")

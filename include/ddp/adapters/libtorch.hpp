@@ -21,7 +21,8 @@
 //    device memory (reduced by a device backend such as nccl, whose collectives follow the
 //    compute stream of nccl_options: give it PyTorch's current stream when that is not the
 //    default one; a host backend refuses them with an error naming the parameter). Nothing here
-//    needs CUDA headers; the CUDA path is untested (no GPU where this was written).
+//    needs CUDA headers. examples/libtorch_ddp --device cuda uses this path; it is compiled in
+//    CI, and runs where a GPU is (tests/device/run.sh).
 //  - Gradients are materialised at construction and then stay where they are: ddp lists raw
 //    spans once. By default (gradient_as_bucket_view) every gradient shares the storage of one
 //    flat buffer per dtype and device, in declaration order, so each bucket is a slice of it and
