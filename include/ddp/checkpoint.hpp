@@ -2,7 +2,7 @@
 // ddp::checkpoint: save and resume a data-parallel training job, bit for bit.
 //
 //   ddp::checkpoint::state st;                          // built over the objects, just before save/load
-//   st.add_parameters(model);                           // the parameter_refs DDP uses (host memory)
+//   st.add_parameters(model);                           // the parameter_refs DDP uses (host or device memory)
 //   st.add("optim.momentum", std::span(momentum));      // optimizer state: any named span
 //   st.add_generator("rng.dropout", gen);               // per-rank by default
 //   st.sampler = {.seed = 0, .epoch = epoch, .batches_done = b};
@@ -67,7 +67,14 @@
 //    that step is marked complete.
 //
 // The directory must be visible to every rank under the same path (one host, or a shared file
-// system). Device-memory parameters are refused: copy them to host first.
+// system).
+// Parameters in device memory (thrust::device_vector, CUDA tensors) need the CUDA build: with it
+// (DDP_HAS_NCCL, the ddp::nccl target) this header includes ddp/checkpoint/cuda.hpp, which copies
+// them with cudaMemcpy straight into the file's bytes on save and out of them on load; the file is
+// the same as for host memory, so a device-saved checkpoint loads into host memory and the other
+// way round, and Python reads it alike. Without it they are refused with errc::invalid_argument
+// (cuda.hpp says why this header holds only a pointer to the copy functions).
+//
 // Test hook: DDP_CHECKPOINT_TEST_HOOK=ACTION:STEP:RANK:POINT[:FILE] makes that rank, while saving
 // that step, SIGKILL itself (ACTION kill) or wait until FILE.go exists, it receives a signal of
 // ddp::preemption or it is killed (pause),
@@ -130,7 +137,32 @@ struct entry {
   std::span<std::byte> data;
   scope where = scope::replicated;
   std::function<void(std::span<const std::byte>)> assign = {};  // set: any 1-D length is accepted
+  memory_space memory = memory_space::host;  // device: `data` is device memory (ddp/checkpoint/cuda.hpp)
 };
+
+namespace detail {
+/// Copies between host memory and device memory, for one named tensor (errors name it).
+struct device_copy {
+  void (*to_host)(std::span<std::byte> host, std::span<const std::byte> device, const std::string& tensor);
+  void (*to_device)(std::span<std::byte> device, std::span<const std::byte> host, const std::string& tensor);
+};
+/// Set by ddp/checkpoint/cuda.hpp (CUDA) when the program starts; null: device memory is refused.
+inline const device_copy* device_copier = nullptr;
+
+/// Refuses an entry in device memory that cannot be copied. state's own functions check when they
+/// add; save() and load() check again for entries put into state::entries directly.
+inline void check_memory(const entry& e) {
+  if (e.memory != memory_space::device) return;
+  if (e.assign)
+    throw error(errc::invalid_argument, "checkpoint: entry '" + e.name + "' is in device memory, which a resizable entry cannot be",
+                {.op = "checkpoint"});
+  if (device_copier == nullptr)
+    throw error(errc::invalid_argument,
+                "checkpoint: entry '" + e.name + "' is in device memory, and this program is not built with CUDA support for "
+                "checkpoints (the CMake target ddp::nccl, or <ddp/checkpoint/cuda.hpp> and CUDA::cudart)",
+                {.op = "checkpoint"});
+}
+}  // namespace detail
 
 /// What a checkpoint holds: named tensors over the caller's memory, the sampler position and
 /// small string metadata (step, loss, ...). Build it over your objects just before save() or
@@ -142,16 +174,19 @@ class state {
   std::map<std::string, std::string> metadata;
 
   /// Every parameter's values (not the gradients), named prefix + its name (or index when it has
-  /// none). Host memory only.
+  /// none). Host memory, and device memory in the CUDA build (the header comment says how).
   state& add_parameters(const std::vector<parameter_ref>& params, const std::string& prefix = "model.") {
     for (std::size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
-      if (p.memory != memory_space::host)
+      if (p.memory == memory_space::device && detail::device_copier == nullptr)
         throw error(errc::invalid_argument,
-                    "checkpoint: " + describe_parameter(i, p.name) + " is in device memory; copy it to host first",
+                    "checkpoint: " + describe_parameter(i, p.name) +
+                        " is in device memory, and this program is not built with CUDA support for checkpoints: "
+                        "link the CMake target ddp::nccl (or include <ddp/checkpoint/cuda.hpp> and link "
+                        "CUDA::cudart), or copy it to host first",
                     {.op = "checkpoint"});
       push(entry{.name = prefix + (p.name.empty() ? std::to_string(i) : p.name), .type = p.type, .shape = p.shape,
-                 .data = p.value, .where = scope::replicated, .assign = {}});
+                 .data = p.value, .where = scope::replicated, .assign = {}, .memory = p.memory});
     }
     return *this;
   }
@@ -167,7 +202,7 @@ class state {
     static_assert(!std::is_const_v<T>, "checkpoint: load writes into the span");
     if (shape.empty()) shape.push_back(static_cast<std::int64_t>(data.size()));
     return push(entry{.name = std::move(name), .type = dtype_of<T>, .shape = std::move(shape),
-                      .data = std::as_writable_bytes(data), .where = where, .assign = {}});
+                      .data = std::as_writable_bytes(data), .where = where, .assign = {}, .memory = memory_space::host});
   }
   /// A vector whose length may differ at load (it is resized): per-epoch histories, logs.
   template <dtype_like T>
@@ -177,7 +212,8 @@ class state {
                       .assign = [&v](std::span<const std::byte> bytes) {
                         v.resize(bytes.size() / sizeof(T));
                         if (!bytes.empty()) std::memcpy(v.data(), bytes.data(), bytes.size());
-                      }});
+                      },
+                      .memory = memory_space::host});
   }
   /// Opaque bytes (any RNG's state, a tokenizer's position...): `bytes` is saved as uint8, and on
   /// load `restore` gets the saved bytes.
@@ -185,7 +221,7 @@ class state {
                    scope where = scope::per_rank) {
     auto& kept = owned_.emplace_back(std::move(bytes));
     return push(entry{.name = std::move(name), .type = dtype::uint8, .shape = {static_cast<std::int64_t>(kept.size())},
-                      .data = kept, .where = where, .assign = std::move(restore)});
+                      .data = kept, .where = where, .assign = std::move(restore), .memory = memory_space::host});
   }
   /// A torch_generator, as its state bytes (random/generator.hpp's layout).
   state& add_generator(std::string name, torch_generator& gen, scope where = scope::per_rank) {
@@ -221,6 +257,7 @@ class state {
   state& push(entry e) {
     if (find(e.name) != nullptr)
       throw error(errc::invalid_argument, "checkpoint: two entries are named '" + e.name + "'", {.op = "checkpoint"});
+    detail::check_memory(e);
     std::int64_t numel = 1;
     for (const auto d : e.shape) numel *= d;
     if (numel * static_cast<std::int64_t>(size_of(e.type)) != static_cast<std::int64_t>(e.data.size()))
@@ -481,7 +518,11 @@ inline std::vector<std::byte> index_json(std::int64_t step, int world, const sta
 inline std::vector<std::byte> encode(const state& st, scope which, std::int64_t step) {
   std::vector<tensor_out> tensors;
   for (const auto& e : st.entries)
-    if (e.where == which) tensors.push_back({.name = e.name, .type = e.type, .shape = e.shape, .data = e.data});
+    if (e.where == which) {
+      tensors.push_back({.name = e.name, .type = e.type, .shape = e.shape, .data = e.data, .fill = {}});
+      if (e.memory == memory_space::device)
+        tensors.back().fill = [&e](std::span<std::byte> out) { device_copier->to_host(out, e.data, e.name); };
+    }
   std::vector<std::pair<std::string, std::string>> meta{{"format", "ddp.checkpoint"}, {"step", std::to_string(step)}};
   if (which == scope::replicated)
     for (const auto& kv : st.metadata) meta.emplace_back(kv.first, kv.second);
@@ -508,6 +549,7 @@ inline std::optional<info> latest(const std::filesystem::path& dir) {
 template <class Group>
 std::filesystem::path save(Group& group, const std::filesystem::path& dir, std::int64_t step, const state& st,
                            save_options options = {}) {
+  for (const auto& e : st.entries) detail::check_memory(e);
   const int rank = group.rank(), world = group.size();
   const auto path = step_path(dir, step);
   detail::saving_step = step;
@@ -563,6 +605,7 @@ std::filesystem::path save(Group& group, const std::filesystem::path& dir, std::
 /// With options.allow_world_size_change, a checkpoint of another world size loads its replicated
 /// entries, and the sampler restarts the interrupted epoch (the header comment says why).
 inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, state& st, load_options options = {}) {
+  for (const auto& e : st.entries) detail::check_memory(e);
   const auto bad = [&](const std::string& what) {
     return error(errc::invalid_argument, "checkpoint " + ckpt.string() + ": " + what, {.op = "checkpoint.load"});
   };
@@ -631,6 +674,8 @@ inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, 
   for (const auto& [e, t] : plan) {
     if (e->assign)
       e->assign(t->data);
+    else if (e->memory == memory_space::device)
+      detail::device_copier->to_device(e->data, t->data, e->name);
     else if (!t->data.empty())
       std::memcpy(e->data.data(), t->data.data(), t->data.size());
   }
@@ -643,3 +688,8 @@ inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, 
 }
 
 }  // namespace ddp::checkpoint
+
+// The CUDA build saves and loads device memory (ddp/checkpoint/cuda.hpp says why it is apart).
+#if defined(DDP_HAS_NCCL)
+#include "ddp/checkpoint/cuda.hpp"
+#endif

@@ -363,12 +363,31 @@ TEST_CASE("checkpoint: a world-size change loads the replicated state and restar
   CHECK(info.sampler == ckpt::sampler_position{.seed = 3, .epoch = 2, .batches_done = 5});
 }
 
+// Without CUDA support (no ddp/checkpoint/cuda.hpp in this program) device memory is refused,
+// naming the parameter and the way to CUDA support; tests/device/checkpoint_device_test has it.
 TEST_CASE("checkpoint: the test hook crashes nothing unless asked, and refuses device parameters") {
   std::vector<float> v(2), g(2);
   ckpt::state st;
-  CHECK_THROWS_AS(st.add_parameters(std::vector<ddp::parameter_ref>{ddp::make_parameter(
-                      std::span(v), std::span(g), {}, "x", ddp::memory_space::device)}),
-                  ddp::error);
+  REQUIRE(ckpt::detail::device_copier == nullptr);
+  try {
+    st.add_parameters(std::vector<ddp::parameter_ref>{
+        ddp::make_parameter(std::span(v), std::span(g), {}, "x", ddp::memory_space::device)});
+    FAIL("expected errc::invalid_argument");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::invalid_argument);
+    CHECK_THAT(e.what(), Catch::Contains("parameter 0 ('x') is in device memory") && Catch::Contains("ddp::nccl"));
+  }
+  CHECK(st.entries.empty());
+  // An entry put into state::entries directly is checked by save() and load(), before any file.
+  st.entries.push_back({.name = "y", .type = ddp::dtype::float32, .shape = {2},
+                        .data = std::as_writable_bytes(std::span(v)), .memory = ddp::memory_space::device});
+  temp_dir dir;
+  thread_world world(1);
+  thread_group group{&world, 0};
+  CHECK_THROWS_WITH(ckpt::save(group, dir.path, 1, st), Catch::Contains("entry 'y' is in device memory"));
+  CHECK(fs::is_empty(dir.path));
+  CHECK_THROWS_WITH(ckpt::load(dir.path, 0, 1, st), Catch::Contains("entry 'y' is in device memory"));
+  st.entries.clear();
   st.add("a", std::span(v));
   CHECK_THROWS_AS(st.add("a", std::span(g)), ddp::error);
 }

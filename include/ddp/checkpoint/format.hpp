@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -263,12 +264,15 @@ inline std::optional<dtype> dtype_from_safetensors(std::string_view name) noexce
   return std::nullopt;
 }
 
-/// One tensor going into a file: its bytes are read where they lie.
+/// One tensor going into a file: its bytes are read where they lie, or, with `fill` set (memory
+/// the host cannot read, such as a GPU's), `fill` writes data.size() bytes into their place in
+/// the file.
 struct tensor_out {
   std::string name;
   dtype type = dtype::float32;
   std::vector<std::int64_t> shape;
   std::span<const std::byte> data;
+  std::function<void(std::span<std::byte>)> fill = {};
 };
 
 /// One tensor read from a file: a view into the file's bytes.
@@ -308,7 +312,15 @@ inline std::vector<std::byte> encode_safetensors(std::span<const tensor_out> ten
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::byte>((n >> (8 * i)) & 0xffU));
   const auto* h = reinterpret_cast<const std::byte*>(header.data());
   out.insert(out.end(), h, h + header.size());
-  for (const auto& t : tensors) out.insert(out.end(), t.data.begin(), t.data.end());
+  for (const auto& t : tensors) {
+    if (!t.fill) {
+      out.insert(out.end(), t.data.begin(), t.data.end());
+      continue;
+    }
+    const std::size_t at = out.size();
+    out.resize(at + t.data.size());
+    t.fill(std::span<std::byte>(out).subspan(at));
+  }
   return out;
 }
 
