@@ -1,0 +1,158 @@
+// Failures of the store's host over tcp, with ranks as forked processes started the way
+// torchrun starts them (rank 0 serves the tcp_store): a SIGKILLed rank 0 is named first by every
+// survivor (not the neighbour that relayed its loss), and a SIGSTOPped rank 0 costs the
+// collective's timeout plus a short bound, not a second timeout spent on the stopped store.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ddp/init.hpp"
+#include "support/multiprocess.hpp"
+
+// Everything of this file in its own namespace: the test suites compile several files as one
+// translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
+namespace ddp_test_tcp_failure {
+
+using namespace std::chrono_literals;
+using ddp::test::check;
+
+namespace {
+
+// A port that was free a moment ago (the kernel's choice for port 0 on loopback).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    throw std::runtime_error("no free port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+void launch_env(int rank, int world, int port) {
+  for (const char* v : {"GROUP_RANK", "GROUP_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",
+                        "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "DDP_TIMEOUT"}) {
+    ::unsetenv(v);
+  }
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+}
+
+// The first "rank N" of an error's own message (after the "ddp: rank R: op:" prefix).
+int first_named_rank(const std::string& message) {
+  std::smatch m;
+  if (!std::regex_search(message, m, std::regex(R"(\brank (\d+)\b)"))) return -1;
+  return std::stoi(m[1].str());
+}
+
+struct temp_file {
+  std::string path = "/tmp/ddp-tcp-failure-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++);
+  ~temp_file() { ::unlink(path.c_str()); }
+  static int& counter() {
+    static int n = 0;
+    return n;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("tcp processes: rank 0 (the store's host) SIGKILLed mid all_reduce is named first by every survivor") {
+  constexpr int p = 4;
+  const int port = free_port();
+  const auto result = ddp::test::run_ranks(
+      p,
+      [&](int r) {
+        launch_env(r, p, port);
+        auto group = ddp::init_process_group("tcp", {.timeout = 20s, .init_timeout = 20s});
+        std::vector<float> data(std::size_t{1} << 16, 1.0f);
+        for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
+        if (r == 0) ::raise(SIGKILL);
+        try {
+          for (int step = 0; step < 1000; ++step) group.all_reduce(std::span<float>(data));
+        } catch (const ddp::error& e) {
+          std::printf("%s\n", e.what());
+          check(first_named_rank(e.message()) == 0, std::string("does not name rank 0 first: ") + e.what());
+          return;
+        }
+        check(false, "all_reduce went on without rank 0");
+      },
+      60s);
+  INFO(result.describe());
+  for (const auto& rr : result.ranks) {
+    if (rr.rank == 0) {
+      CHECK(rr.signal == SIGKILL);
+    } else {
+      CHECK(rr.ok());
+    }
+  }
+}
+
+TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1.1 x the collective's timeout") {
+  constexpr int p = 3;
+  constexpr std::chrono::milliseconds timeout = 2s;
+  const int port = free_port();
+  temp_file pid_file;
+  const auto result = ddp::test::run_ranks(
+      p,
+      [&](int r) {
+        launch_env(r, p, port);
+        // The store's own timeout is long: a failure path that waited on it would show.
+        auto group = ddp::init_process_group("tcp", {.timeout = timeout, .init_timeout = 30s});
+        std::vector<float> data(std::size_t{1} << 16, 1.0f);
+        for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
+        group.barrier();
+        if (r == 0) {
+          std::ofstream(pid_file.path) << ::getpid() << "\n";
+          ::raise(SIGSTOP);
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        std::string what;
+        try {
+          group.all_reduce(std::span<float>(data));
+        } catch (const ddp::error& e) {
+          what = e.what();
+        }
+        const auto took = std::chrono::steady_clock::now() - start;
+        std::printf("took_ms=%lld %s\n", static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
+                    what.c_str());
+        int pid0 = 0;
+        std::ifstream(pid_file.path) >> pid0;
+        if (pid0 > 0) ::kill(pid0, SIGKILL);  // the harness would wait for it until its deadline
+        check(!what.empty(), "all_reduce returned with rank 0 stopped");
+        check(took <= timeout * 11 / 10, "the failure took " + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms");
+      },
+      60s);
+  INFO(result.describe());
+  for (const auto& rr : result.ranks) {
+    if (rr.rank == 0) {
+      CHECK(rr.signal == SIGKILL);
+    } else {
+      CHECK(rr.ok());
+      WARN("rank " << rr.rank << ": " << rr.output);
+    }
+  }
+}
+
+}  // namespace ddp_test_tcp_failure
