@@ -80,6 +80,8 @@
 // steps of one job get distinct ports). Step 0 of a Slurm job gets 20000 + SLURM_JOB_ID % 20000,
 // the port examples/slurm/train_ddp.sbatch exports. Otherwise 29500.
 // DDP_TIMEOUT (seconds) sets the default deadline.
+// DDP_HEARTBEAT_TIMEOUT (seconds, 0 = off, default 5) sets how long the ring backend tolerates a
+// peer whose heartbeat has stopped (default_heartbeat_timeout()).
 //
 // Empty variables count as unset. Every bad value is a ddp::error(errc::config) whose message
 // names the variable and the expected form; from_environment() also cross-checks the values
@@ -105,6 +107,21 @@
 #include "ddp/core/error.hpp"
 
 namespace ddp {
+
+/// DDP_HEARTBEAT_TIMEOUT (seconds; 0 turns the heartbeat off) or 5 s: a ring backend fails once
+/// a peer has sent no heartbeat for this long (transport/detail/heartbeat.hpp). A malformed value
+/// is a ddp::error naming the variable.
+inline std::chrono::milliseconds default_heartbeat_timeout() {
+  const char* text = std::getenv("DDP_HEARTBEAT_TIMEOUT");
+  if (text == nullptr || *text == '\0') return std::chrono::seconds(5);
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(seconds >= 0) || seconds > 1e9) {
+    throw error(errc::config, std::string("DDP_HEARTBEAT_TIMEOUT='") + text +
+                                  "' is not a number of seconds >= 0 (e.g. DDP_HEARTBEAT_TIMEOUT=5; 0 turns the heartbeat off)");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
 
 /// Which launcher's variables a launch_environment came from (see the top of this header).
 enum class launch_source : std::uint8_t { none, torchrun, openmpi, pmi, slurm, flux, pals, lsf };
