@@ -1,8 +1,9 @@
 #pragma once
 // ddp::detail::heartbeat::liveness_monitor: finds a silent peer within a bound of its own, not at
 // the collective's deadline. A thread of its own sends a small UDP datagram to every peer each
-// timeout/8 and reads theirs; a peer heard from for `timeout` is declared lost, and so is a peer
-// whose process exits (a pidfd, where its process is visible: same host and PID namespace). The
+// timeout/8 and reads theirs; a peer not heard from for `timeout` is declared lost. A peer whose
+// process is visible (same host and PID namespace) is watched through a pidfd too: its exit,
+// which the transports report, ends the watch, and a stop is named as such. The
 // verdict names the rank, its host and pid and says what was seen; on_lost gets it once (the
 // ring backend aborts its communicators with it). The thread runs whatever the main thread
 // does, so a collective that is merely slow, or a rank busy elsewhere, never trips it.
@@ -423,16 +424,10 @@ class liveness_monitor {
       if (lost) continue;
       for (std::size_t i = 2; i < fds.size(); ++i) {
         if (fds[i].revents == 0) continue;
-        const auto& p = peers_[static_cast<std::size_t>(pid_rank[i - 2])];
-        bool watched = false;
-        {
-          std::lock_guard lock(s_->mutex);
-          watched = s_->watched[static_cast<std::size_t>(p.rank)];
-        }
-        if (watched) {
-          declare("rank " + std::to_string(p.rank) + " (host " + p.host + ", pid " + std::to_string(p.pid) + ") exited");
-          break;
-        }
+        // An exit is the transports' to report, and only to a rank that needs that peer: stop
+        // watching it rather than take it for a silent one.
+        std::lock_guard lock(s_->mutex);
+        s_->watched[static_cast<std::size_t>(pid_rank[i - 2])] = false;
       }
       now = clock::now();
       std::optional<std::pair<int, clock::duration>> silent;
