@@ -28,6 +28,12 @@
 // when on shared memory or hierarchical (a collective call: every rank allocates, in the same
 // order), an ordinary heap buffer with the same interface over flat TCP.
 //
+// Liveness: with ring_options::heartbeat_timeout > 0 (DDP_HEARTBEAT_TIMEOUT, default 5 s) a
+// thread per backend exchanges heartbeats with every peer (transport/detail/heartbeat.hpp); a
+// peer silent that long, or whose visible process exits, aborts the backend, and the failing
+// collective reports errc::peer_lost naming that rank, its host and what was seen, whatever
+// the collective's own deadline.
+//
 // Sub-groups: split(ranks, tag) builds a ring_backend over the member ranks (same store, key
 // prefix <prefix>/<tag>), which is what process_group::new_group calls.
 
@@ -57,12 +63,14 @@
 #include "ddp/core/host.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
+#include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/shared_buffer.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "ddp/store/store.hpp"
 #include "ddp/transport/shm.hpp"
+#include "ddp/transport/detail/heartbeat.hpp"
 #include "ddp/transport/tcp.hpp"
 
 namespace ddp {
@@ -77,6 +85,7 @@ struct ring_options {
   std::size_t small_message_bytes = std::size_t{16} << 10;
   std::string prefix = "ddp";                              // store key prefix of this backend
   std::chrono::milliseconds timeout = default_timeout();   // set-up: host exchange and connections
+  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout();  // a silent peer fails the backend; 0: off
   tcp_options tcp{};
   algo::shm_communicator::options shm{};
 };
@@ -166,8 +175,12 @@ class ring_backend {
     algo::ring_communicator_options co;
     co.algorithm = s_->options.algorithm;
     co.small_message_bytes = s_->options.small_message_bytes;
-    co.failure_store = s_->store.get();
-    co.failure_store_owner = s_->store;  // a hung store host must not hold up a failure (ring_communicator)
+    // The failure paths see the store through the heartbeat: while a peer is silent (it may be
+    // the store's host) they do not wait on it.
+    s_->liveness = std::make_shared<detail::heartbeat::status>();
+    const auto failure_store = std::make_shared<detail::heartbeat::guarded_store>(s_->store, s_->liveness);
+    co.failure_store = failure_store.get();
+    co.failure_store_owner = failure_store;  // a hung store host must not hold up a failure (ring_communicator)
     co.failure_prefix = s_->options.prefix;
     tcp_options to = s_->options.tcp;
     to.timeout = s_->options.timeout;
@@ -199,8 +212,10 @@ class ring_backend {
         leaders = std::make_unique<tcp_comm>(tcp_transport(*s_->store, host, layout->hosts, hier + "leaders", to), lo);
       }
       s_->hier = std::make_unique<hier_comm>(std::move(flat), std::move(local), std::move(leaders), *layout,
-                                             hier_comm::options{.failure_store = s_->store.get(), .leaders_failure_prefix = hier + "leaders"});
+                                             hier_comm::options{.failure_store = failure_store.get(), .leaders_failure_prefix = hier + "leaders"});
     }
+    s_->failure_store = failure_store;
+    if (size > 1 && s_->options.heartbeat_timeout.count() > 0) start_heartbeat(setup);
   }
 
   int rank() const noexcept { return s_->rank; }
@@ -332,11 +347,7 @@ class ring_backend {
   }
 
   /// Unblocks every waiter of this backend promptly; the backend is unusable afterwards.
-  void abort() noexcept {
-    if (s_->shm) s_->shm->abort();
-    if (s_->tcp) s_->tcp->abort();
-    if (s_->hier) s_->hier->abort();
-  }
+  void abort() noexcept { s_->abort_all(); }
 
   /// A backend over `ranks` (sorted, containing this rank), keys under <prefix>/<tag>.
   ring_backend split(std::span<const int> ranks, const std::string& tag) const {
@@ -364,17 +375,55 @@ class ring_backend {
     ring_options options;
     bool on_shm = false;
     int hosts = 0;
+    std::shared_ptr<detail::heartbeat::status> liveness;  // before the communicators: they see the store through it
+    std::shared_ptr<store::store> failure_store;
     std::unique_ptr<algo::shm_communicator> shm;
     std::unique_ptr<tcp_comm> tcp;
     std::unique_ptr<hier_comm> hier;
     std::uint64_t plain_seq = 0;
+    std::unique_ptr<detail::heartbeat::liveness_monitor> monitor;  // last: its thread stops before the communicators go
+
+    void abort_all() noexcept {
+      if (shm) shm->abort();
+      if (tcp) tcp->abort();
+      if (hier) hier->abort();
+    }
   };
 
   template <class F>
   void with(F&& f) {
-    if (s_->shm) f(*s_->shm);
-    else if (s_->hier) f(*s_->hier);
-    else f(*s_->tcp);
+    try {
+      if (s_->shm) f(*s_->shm);
+      else if (s_->hier) f(*s_->hier);
+      else f(*s_->tcp);
+    } catch (const error& e) {
+      explain(e);
+      throw;
+    }
+  }
+
+  // A lost peer or an abort that the heartbeat explains fails with the heartbeat's verdict: the
+  // silent rank, its host and what was seen, rather than the neighbour whose connection closed.
+  [[gnu::cold]] [[gnu::noinline]] void explain(const error& e) const {
+    if (!s_->monitor || (e.code() != errc::peer_lost && e.code() != errc::timeout)) return;
+    // A deadline is the collective's own verdict: take the heartbeat's only when it is in.
+    std::optional<std::string> verdict;
+    if (e.code() == errc::timeout) {
+      std::lock_guard lock(s_->liveness->mutex);
+      verdict = s_->liveness->verdict;
+    } else {
+      verdict = s_->liveness->verdict_after_suspicion();
+    }
+    if (verdict) throw error(errc::peer_lost, *verdict, e.context());
+  }
+
+  void start_heartbeat(deadline setup) {
+    std::string host = "127.0.0.1";
+    if (s_->tcp) host = detail::heartbeat::host_of_address(s_->tcp->transport().address());
+    else if (s_->hier) host = detail::heartbeat::host_of_address(s_->hier->flat().transport().address());
+    state* st = s_.get();
+    s_->monitor = std::make_unique<detail::heartbeat::liveness_monitor>(*s_->store, s_->options.prefix, s_->rank, s_->size, s_->options.heartbeat_timeout,
+                                                                host, setup, s_->liveness, [st](const std::string&) { st->abort_all(); });
   }
 
   template <class T>
