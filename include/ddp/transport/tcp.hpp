@@ -506,24 +506,57 @@ class tcp_transport {
     return "127.0.0.1";
   }
 
-  /// store.wait, with a timeout message that names the ranks that never published their key.
+  /// Whether a store that went away while this rank waited on it late in its wait most likely went
+  /// with a host that gave up on the same missing ranks (then they are the cause, not the host).
+  static bool store_gone_at_deadline(const deadline& dl, std::chrono::milliseconds timeout) {
+    return dl.remaining() <= std::max<std::chrono::milliseconds>(std::chrono::milliseconds(500), timeout / 2);
+  }
+
+  /// store.wait, with failures that name the ranks that never published their key (keys[r] is rank r's).
   void wait_for_ranks(ddp::store::store& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
                       const std::string& what) {
-    try {
-      store.wait(keys, timeout);
-    } catch (const error& e) {
-      if (e.code() != errc::timeout) throw;
-      std::string missing;
-      for (std::size_t r = 0; r < keys.size(); ++r) {
+    const deadline dl = deadline::after(timeout);
+    // Slices: a store that goes away mid-wait is told from one that gave up at the deadline.
+    constexpr std::chrono::milliseconds slice{1000};
+    std::vector<std::size_t> missing;  // as last looked at; only these are asked again
+    for (std::size_t r = 0; r < keys.size(); ++r) missing.push_back(r);
+    bool looked = false;
+    auto look = [&] {
+      std::vector<std::size_t> still;
+      for (const auto r : missing) {
         try {
           store.wait({keys[r]}, std::chrono::milliseconds(0));
-        } catch (const error&) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        } catch (const error& x) {
+          if (x.code() != errc::timeout) throw;
+          still.push_back(r);
         }
       }
-      throw error(errc::timeout, "timed out building the tcp mesh: rank(s) " + missing + " did not " + what + " within " +
-                                     std::to_string(timeout.count()) + " ms (not started, or a different store / prefix?)",
-                  {.rank = s_->rank});
+      missing = std::move(still);
+      looked = true;
+    };
+    auto not_done = [&] {
+      std::string names;
+      for (const auto r : missing) names += (names.empty() ? "" : ", ") + std::to_string(r);
+      return "timed out building the tcp mesh: rank(s) " + names + " did not " + what + " within " + std::to_string(timeout.count()) +
+             " ms: exited, hung, or never started (or a different store / prefix)?";
+    };
+    while (true) {
+      try {
+        store.wait(keys, std::min(dl.remaining(), slice));
+        return;
+      } catch (const error& e) {
+        if (e.code() == errc::store && looked && !missing.empty() && store_gone_at_deadline(dl, timeout)) {
+          throw error(errc::timeout, not_done() + " (then: " + e.message() + ")", {.rank = s_->rank});
+        }
+        if (e.code() != errc::timeout) {
+          auto c = e.context();
+          c.rank = s_->rank;
+          throw e.with_context(std::move(c));
+        }
+      }
+      look();
+      if (missing.empty()) return;
+      if (dl.expired()) throw error(errc::timeout, not_done(), {.rank = s_->rank});
     }
   }
 
@@ -554,9 +587,11 @@ class tcp_transport {
       try {
         store.wait({key(r)}, dl.remaining());
       } catch (const error& e) {
+        const std::string late = "timed out building the tcp mesh: rank " + std::to_string(r) + " did not publish an address within " +
+                                 std::to_string(opts.timeout.count()) + " ms: rank " + std::to_string(r) + " exited, hung, or never started?";
+        if (e.code() == errc::store && store_gone_at_deadline(dl, opts.timeout)) throw error(errc::timeout, late + " (then: " + e.message() + ")", {.rank = rank});
         if (e.code() != errc::timeout) throw;
-        throw error(errc::timeout, "timed out building the tcp mesh: rank(s) " + std::to_string(r) + " did not publish an address within " +
-                                       std::to_string(opts.timeout.count()) + " ms", {.rank = rank});
+        throw error(errc::timeout, late, {.rank = rank});
       }
       const std::string v = store.get_string(key(r));
       const auto space = v.find(' ');

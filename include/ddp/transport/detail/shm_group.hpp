@@ -74,6 +74,19 @@ class shm_group {
       throw error(errc::invalid_argument, "shm group: rank " + std::to_string(rank) + " of size " + std::to_string(size) + " is out of range");
     }
     oversubscribed_ = size > usable_cpus();
+    try {
+      set_up(st, prefix, tag, rank, size, dl, reserved_payload);
+    } catch (const error& e) {
+      if (e.rank() >= 0) throw;
+      auto c = e.context();  // the reporting rank, so that its line says who it is
+      c.rank = rank;
+      throw e.with_context(std::move(c));
+    }
+  }
+
+ private:
+  void set_up(ddp::store::store& st, const std::string& prefix, const std::string& tag, int rank, int size, deadline dl,
+              std::size_t reserved_payload) {
     const std::string keys = prefix + "shm/" + tag + "/";
     const std::string job_key = keys + "job";
     std::string job;
@@ -81,7 +94,7 @@ class shm_group {
       job = random_job_id();
       st.set_string(job_key, job);
     } else {
-      store_wait(st, {job_key}, dl);
+      store_wait(st, {job_key}, {0}, dl, "publish the group's identity");
       job = st.get_string(job_key);
     }
     base_ = segment_name(prefix, job, tag);
@@ -102,7 +115,9 @@ class shm_group {
 
     std::vector<std::string> ready;
     for (int r = 0; r < size; ++r) ready.push_back(keys + "ready/" + std::to_string(r));
-    store_wait(st, ready, dl);
+    std::vector<int> owners;
+    for (int r = 0; r < size; ++r) owners.push_back(r);
+    store_wait(st, ready, owners, dl, "publish its segment");
     pids_.assign(static_cast<std::size_t>(size), 0);
     pids_[static_cast<std::size_t>(rank)] = ::getpid();
     for (int r = 0; r < size; ++r) {
@@ -132,9 +147,11 @@ class shm_group {
     st.set_string(keys + "mapped/" + std::to_string(rank), "1");
     std::vector<std::string> mapped;
     for (int r = 0; r < size; ++r) mapped.push_back(keys + "mapped/" + std::to_string(r));
-    store_wait(st, mapped, dl);
+    store_wait(st, mapped, owners, dl, "map the others' segments");
     segments_[static_cast<std::size_t>(rank)].close_descriptor();
   }
+
+ public:
 
   shm_group(const shm_group&) = delete;
   shm_group& operator=(const shm_group&) = delete;
@@ -340,12 +357,69 @@ class shm_group {
     std::terminate();
   }
 
-  static void store_wait(ddp::store::store& st, const std::vector<std::string>& keys, deadline dl) {
-    const auto left = dl.remaining();
-    try {
-      st.wait(keys, left);
-    } catch (const error& e) {
-      throw error(e.code(), "shared-memory setup: " + e.message() + " (has every rank of the group started?)", e.context());
+  /// A set-up wait for keys[i], published by rank owners[i]. It waits in short slices and between
+  /// them looks at the peers it watches (known after 'ready'): one that exited ends the wait at
+  /// once. Failures name the ranks whose keys are missing, not the keys.
+  void store_wait(ddp::store::store& st, const std::vector<std::string>& keys, const std::vector<int>& owners, deadline dl,
+                  const std::string& what) const {
+    constexpr std::chrono::milliseconds slice{100};
+    constexpr auto look_every = std::chrono::seconds(1);  // how often the missing ranks are asked for
+    const auto total = dl.remaining();
+    std::vector<std::size_t> missing;  // indices of keys not yet set, as last looked at
+    for (std::size_t i = 0; i < keys.size(); ++i) missing.push_back(i);
+    bool looked = false;
+    auto look = [&] {
+      std::vector<std::size_t> still;
+      for (const auto i : missing) {
+        try {
+          st.wait({keys[i]}, std::chrono::milliseconds(0));
+        } catch (const error& x) {
+          if (x.code() != errc::timeout) throw;
+          still.push_back(i);
+        }
+      }
+      missing = std::move(still);
+      looked = true;
+    };
+    auto who = [&] {
+      std::string names;
+      for (const auto i : missing) names += (names.empty() ? "" : ", ") + std::to_string(owners[i]);
+      return (missing.size() == 1 ? "rank " : "rank(s) ") + names;
+    };
+    auto not_done = [&] {
+      return who() + " did not " + what + " within " + std::to_string(total.count()) + " ms (shared-memory setup): " + who() +
+             " exited, hung, or never started?";
+    };
+    auto next_look = clock::now() + look_every;
+    while (true) {
+      try {
+        st.wait(keys, std::min(dl.remaining(), std::chrono::milliseconds(slice)));
+        return;
+      } catch (const error& e) {
+        if (e.code() == errc::store) {
+          // Late in the wait, the store's host most likely gave up on the same missing ranks:
+          // they are the cause, not the host. Earlier, the host itself went away.
+          if (looked && !missing.empty() && dl.remaining() <= std::max<std::chrono::milliseconds>(std::chrono::milliseconds(500), total / 2)) {
+            throw error(errc::timeout, not_done() + " (then: " + e.message() + ")");
+          }
+          throw error(e.code(), "shared-memory setup: " + e.message(), e.context());
+        }
+        if (e.code() != errc::timeout) throw error(e.code(), "shared-memory setup: " + e.message(), e.context());
+      }
+      if (const auto dead = watch_.first_dead()) {
+        throw error(errc::peer_lost, "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
+                                         ") exited during shared-memory setup, while this rank waited for it to " + what);
+      }
+      if (dl.expired()) {
+        look();
+        if (missing.empty()) return;  // set in the last moment
+        throw error(errc::timeout, not_done());
+      }
+      if (clock::now() >= next_look) {
+        look();
+        if (missing.empty()) return;
+        next_look = clock::now() + look_every;
+      }
     }
   }
 
