@@ -608,7 +608,13 @@ class tcp_transport {
       detail::tcp::nonce theirs{};
       published(j, addr, theirs);
       const std::string who = "rank " + std::to_string(j) + " at " + addr.str();
-      detail::tcp::unique_fd fd = detail::tcp::connect_before(addr, dl);
+      detail::tcp::unique_fd fd;
+      try {
+        fd = detail::tcp::connect_before(addr, dl);
+      } catch (const error& e) {  // it published its address, so it was listening: it has gone since
+        throw error(e.code(), who + " published its address but could not be reached: " + e.message() + ": rank " + std::to_string(j) +
+                                  " exited or hung?", {.rank = rank});
+      }
       const auto out = detail::tcp::hello{1, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), theirs, prefix_hash}.encode();
       detail::tcp::write_all(fd.get(), out.data(), out.size(), dl, who);
       unsigned char in[detail::tcp::hello_size];
