@@ -233,10 +233,11 @@ inline group init_process_group(std::string_view backend = "ring", init_options 
   c.prefix = opts.prefix + "/" + std::to_string(call);
   c.store = opts.store;
   if (c.world_size > 1) {
-    // The store's host holds a connection per rank; a rank, up to a socket per tcp peer and two
-    // pidfds per shared-memory peer. Checked now, a low limit is one line on every rank.
+    // The store's host holds a connection per rank; a rank, up to a socket per tcp peer, two
+    // pidfds per shared-memory peer and the heartbeat's pidfd per peer and two sockets. Checked
+    // now, a low limit is one line on every rank.
     const auto w = static_cast<std::size_t>(c.world_size);
-    ensure_descriptors((c.rank == 0 ? w : 0) + 3 * w + 16, "a job of " + std::to_string(w) + " ranks", c.rank);
+    ensure_descriptors((c.rank == 0 ? w : 0) + 4 * w + 18, "a job of " + std::to_string(w) + " ranks", c.rank);
   }
   if (!c.store && c.world_size > 1 && requirements.store) c.store = detail::pg_make_store(c.env, c.rank, opts.init_timeout);
   if (c.env.local_layout_from_rendezvous) {

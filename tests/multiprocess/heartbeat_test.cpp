@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ddp/init.hpp"
+#include "support/launch_env.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
@@ -36,41 +37,9 @@ namespace {
 constexpr auto heartbeat = 2s;     // DDP_HEARTBEAT_TIMEOUT in these tests
 constexpr auto collective = 60s;   // the collectives' own timeout: far beyond what any check allows
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    throw std::runtime_error("no free port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 void launch_env(int rank, int world, int port) {
-  for (const char* v : {"GROUP_RANK", "GROUP_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                        "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",
-                        "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "DDP_TIMEOUT"}) {
-    ::unsetenv(v);
-  }
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ddp::test::set_torchrun_variables(rank, world, port);
   ::setenv("DDP_HEARTBEAT_TIMEOUT", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(heartbeat).count()).c_str(), 1);
-}
-
-// The first "rank N" of an error's own message (after the "ddp: rank R: op:" prefix).
-int first_named_rank(const std::string& message) {
-  std::smatch m;
-  if (!std::regex_search(message, m, std::regex(R"(\brank (\d+)\b)"))) return -1;
-  return std::stoi(m[1].str());
 }
 
 long long ms(std::chrono::steady_clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
@@ -97,7 +66,7 @@ long long worst_took_ms(const ddp::test::run_result& result) {
 // p ranks over `backend`; `victim` stops itself (SIGSTOP) while the others enter an all_reduce.
 // Each other rank checks it failed with peer_lost naming the victim within `bound`, then kills it.
 ddp::test::run_result stop_one(const char* backend, int p, int victim, std::chrono::milliseconds bound) {
-  const int port = free_port();
+  const int port = ddp::test::free_loopback_port();
   temp_file pid_file, done_file;
   return ddp::test::run_ranks(
       p,
@@ -137,7 +106,7 @@ ddp::test::run_result stop_one(const char* backend, int p, int victim, std::chro
         if (pid > 0 && failed >= p - 1) ::kill(pid, SIGKILL);
         check(!what.empty(), "all_reduce returned with rank " + std::to_string(victim) + " stopped");
         check(code == ddp::errc::peer_lost, "not peer_lost: " + what);
-        check(first_named_rank(own) == victim, "does not name rank " + std::to_string(victim) + " first: " + what);
+        check(ddp::test::first_named_rank(own) == victim, "does not name rank " + std::to_string(victim) + " first: " + what);
         check(what.find("heartbeat") != std::string::npos, "does not say what was seen: " + what);
         check(took <= bound, "the failure took " + std::to_string(ms(took)) + " ms, more than " + std::to_string(bound.count()) + " ms");
       },
@@ -169,7 +138,7 @@ int random_rank(int p) {
 void expect_slow_rank_tolerated(const char* backend, bool busy) {
   constexpr int p = 4;
   const int slow = random_rank(p);
-  const int port = free_port();
+  const int port = ddp::test::free_loopback_port();
   const auto result = ddp::test::run_ranks(
       p,
       [&](int r) {

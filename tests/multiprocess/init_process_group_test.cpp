@@ -18,6 +18,7 @@
 
 #include "ddp/init.hpp"
 #include "ddp/store/file_store.hpp"
+#include "support/launch_env.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
@@ -28,41 +29,6 @@ using namespace std::chrono_literals;
 using ddp::test::check;
 
 namespace {
-
-// A port that was free a moment ago (the kernel's choice for port 0 on loopback).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    throw std::runtime_error("no free port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-void clear_launch_env() {
-  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                        "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",
-                        "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST"}) {
-    ::unsetenv(v);
-  }
-}
-
-void torchrun_env(int rank, int world, int port) {
-  clear_launch_env();
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-}
 
 template <class F>
 ddp::errc error_code_of(F&& f, std::string* what = nullptr) {
@@ -81,11 +47,11 @@ TEST_CASE("init_process_group: ranks from torchrun's variables, store served by 
   for (const char* name : {"ring", "tcp", "shm"}) {
     for (int p : {2, 3}) {
       INFO(name << " p = " << p);
-      const int port = free_port();
+      const int port = ddp::test::free_loopback_port();
       const auto result = ddp::test::run_ranks(
           p,
           [&](int rank) {
-            torchrun_env(rank, p, port);
+            ddp::test::set_torchrun_variables(rank, p, port);
             auto g = ddp::init_process_group(name, {.timeout = 30s, .init_timeout = 30s});
             check(g.valid() && g.rank() == rank && g.size() == p, "rank and size from the environment");
             check(g.backend_name() == "ring", "ring backend");
@@ -116,11 +82,11 @@ TEST_CASE("init_process_group: every reduction through the type-erased group mat
   for (const char* name : {"tcp", "shm"}) {
     const int p = 3;
     INFO(name);
-    const int port = free_port();
+    const int port = ddp::test::free_loopback_port();
     const auto result = ddp::test::run_ranks(
         p,
         [&](int rank) {
-          torchrun_env(rank, p, port);
+          ddp::test::set_torchrun_variables(rank, p, port);
           auto g = ddp::init_process_group(name, {.timeout = 30s, .init_timeout = 30s});
           for (std::size_t n : {std::size_t{5}, std::size_t{100003}}) {  // direct / ring and staged paths
             for (auto kind : {ddp::reduce_kind::sum, ddp::reduce_kind::avg, ddp::reduce_kind::min, ddp::reduce_kind::max,
@@ -169,7 +135,7 @@ TEST_CASE("init_process_group: every reduction through the type-erased group mat
 
 TEST_CASE("init_process_group: a world of one needs no store and no variables") {
   const auto result = ddp::test::run_ranks(1, [](int) {
-    clear_launch_env();
+    ddp::test::clear_launcher_variables();
     auto g = ddp::init_process_group();
     check(g.rank() == 0 && g.size() == 1, "world of one");
     std::vector<float> v{2.5f};
@@ -185,7 +151,7 @@ TEST_CASE("init_process_group: explicit rank, world size and store override the 
   const std::string path = std::string(DDP_TEST_BINARY_DIR) + "/init_pg_" + std::to_string(::getpid()) + ".store";
   std::remove(path.c_str());
   const auto result = ddp::test::run_ranks(2, [&](int rank) {
-    clear_launch_env();
+    ddp::test::clear_launcher_variables();
     ::setenv("RANK", "0", 1);  // wrong on purpose: the options win
     ::setenv("WORLD_SIZE", "1", 1);
     ddp::init_options o;
@@ -216,7 +182,7 @@ TEST_CASE("init_process_group: unknown and not-compiled-in backends") {
 
 TEST_CASE("init_process_group: a registered factory gets the context") {
   const auto result = ddp::test::run_ranks(1, [](int) {
-    clear_launch_env();
+    ddp::test::clear_launcher_variables();
     std::string seen;
     check(ddp::register_backend("mine", [&seen](const ddp::backend_context& c) {
             seen = c.name + " " + std::to_string(c.rank) + "/" + std::to_string(c.world_size) + " " + c.prefix +
@@ -236,13 +202,13 @@ TEST_CASE("init_process_group: a registered factory gets the context") {
 
 TEST_CASE("init_process_group: a bad environment is one clear error naming the variable") {
   const auto result = ddp::test::run_ranks(1, [](int) {
-    clear_launch_env();
+    ddp::test::clear_launcher_variables();
     ::setenv("RANK", "2", 1);
     ::setenv("WORLD_SIZE", "2", 1);
     std::string what;
     check(error_code_of([] { (void)ddp::init_process_group(); }, &what) == ddp::errc::config, "config error");
     check(what.find("RANK") != std::string::npos, what);
-    clear_launch_env();
+    ddp::test::clear_launcher_variables();
     ::setenv("RANK", "0", 1);
     ::setenv("WORLD_SIZE", "abc", 1);
     check(error_code_of([] { (void)ddp::init_process_group(); }, &what) == ddp::errc::config, "config error");
@@ -257,12 +223,12 @@ TEST_CASE("init_process_group: a bad environment is one clear error naming the v
 // runs out of descriptors halfway and the others wait for their deadline).
 TEST_CASE("init_process_group: a file limit too low for the job is one line on every rank, at once") {
   const int p = 8;
-  const int port = free_port();
+  const int port = ddp::test::free_loopback_port();
   const auto start = std::chrono::steady_clock::now();
   const auto result = ddp::test::run_ranks(
       p,
       [&](int rank) {
-        torchrun_env(rank, p, port);
+        ddp::test::set_torchrun_variables(rank, p, port);
         rlimit lim{24, 24};
         check(::setrlimit(RLIMIT_NOFILE, &lim) == 0, "setrlimit");
         std::string what;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ddp/init.hpp"
+#include "support/launch_env.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
@@ -28,43 +29,6 @@ using namespace std::chrono_literals;
 using ddp::test::check;
 
 namespace {
-
-// A port that was free a moment ago (the kernel's choice for port 0 on loopback).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    throw std::runtime_error("no free port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-void launch_env(int rank, int world, int port) {
-  for (const char* v : {"GROUP_RANK", "GROUP_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                        "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",
-                        "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "DDP_TIMEOUT"}) {
-    ::unsetenv(v);
-  }
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-}
-
-// The first "rank N" of an error's own message (after the "ddp: rank R: op:" prefix).
-int first_named_rank(const std::string& message) {
-  std::smatch m;
-  if (!std::regex_search(message, m, std::regex(R"(\brank (\d+)\b)"))) return -1;
-  return std::stoi(m[1].str());
-}
 
 struct temp_file {
   std::string path = "/tmp/ddp-tcp-failure-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++);
@@ -79,11 +43,11 @@ struct temp_file {
 
 TEST_CASE("tcp processes: rank 0 (the store's host) SIGKILLed mid all_reduce is named first by every survivor") {
   constexpr int p = 4;
-  const int port = free_port();
+  const int port = ddp::test::free_loopback_port();
   const auto result = ddp::test::run_ranks(
       p,
       [&](int r) {
-        launch_env(r, p, port);
+        ddp::test::set_torchrun_variables(r, p, port);
         auto group = ddp::init_process_group("tcp", {.timeout = 20s, .init_timeout = 20s});
         std::vector<float> data(std::size_t{1} << 16, 1.0f);
         for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
@@ -92,7 +56,7 @@ TEST_CASE("tcp processes: rank 0 (the store's host) SIGKILLed mid all_reduce is 
           for (int step = 0; step < 1000; ++step) group.all_reduce(std::span<float>(data));
         } catch (const ddp::error& e) {
           std::printf("%s\n", e.what());
-          check(first_named_rank(e.message()) == 0, std::string("does not name rank 0 first: ") + e.what());
+          check(ddp::test::first_named_rank(e.message()) == 0, std::string("does not name rank 0 first: ") + e.what());
           return;
         }
         check(false, "all_reduce went on without rank 0");
@@ -111,12 +75,12 @@ TEST_CASE("tcp processes: rank 0 (the store's host) SIGKILLed mid all_reduce is 
 TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1.1 x the collective's timeout") {
   constexpr int p = 3;
   constexpr std::chrono::milliseconds timeout = 2s;
-  const int port = free_port();
+  const int port = ddp::test::free_loopback_port();
   temp_file pid_file;
   const auto result = ddp::test::run_ranks(
       p,
       [&](int r) {
-        launch_env(r, p, port);
+        ddp::test::set_torchrun_variables(r, p, port);
         // The store's own timeout is long: a failure path that waited on it would show.
         auto group = ddp::init_process_group("tcp", {.timeout = timeout, .init_timeout = 30s});
         std::vector<float> data(std::size_t{1} << 16, 1.0f);
