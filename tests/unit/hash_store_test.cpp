@@ -281,4 +281,19 @@ TEST_CASE("hash_store: models key_value_store and is shared by reference") {
   CHECK(s.timeout() == 50ms);
 }
 
+TEST_CASE("wait_for_ranks names the ranks whose keys are missing at the timeout") {
+  ddp::store::hash_store st;
+  auto key = [](int r) { return "hb/" + std::to_string(r); };
+  for (int r : {0, 1, 3}) st.set_string(key(r), "x");
+  ddp::store::wait_for_ranks(st, 4, 2, key, std::chrono::milliseconds(50), "their address");  // all but its own: no throw
+  try {
+    ddp::store::wait_for_ranks(st, 6, 1, key, std::chrono::milliseconds(50), "their address");
+    FAIL("no timeout");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::timeout);
+    CHECK(e.context().rank == 1);
+    CHECK(e.message() == "ranks 2, 4, 5 did not publish their address within 50 ms: exited, hung, or never started?");
+  }
+}
+
 }  // namespace ddp_test_hash_store

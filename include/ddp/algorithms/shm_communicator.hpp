@@ -108,8 +108,16 @@ class shm_communicator {
       own = ddp::detail::shm::shm_segment::create(name + std::to_string(rank_), bytes);
       group_.offer(static_cast<std::uint32_t>(d.seq), own.fd());
       barrier_steps(d, dl);  // every rank has created and offered its segment (and asks for the same n)
-      for (int r = 0; r < size_; ++r)
-        if (r != rank_) a->segments[static_cast<std::size_t>(r)] = group_.open_offer(r, static_cast<std::uint32_t>(d.seq), bytes, "a shared buffer");
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        try {
+          a->segments[static_cast<std::size_t>(r)] = group_.open_offer(r, static_cast<std::uint32_t>(d.seq), bytes, "a shared buffer");
+        } catch (const error& e) {
+          // Name the rank that exited to every rank (an abort without a cause would name this one).
+          if (e.code() == errc::peer_lost) group_.abort(r, group_.pid_of(r));
+          throw error(e.code(), e.message(), {.rank = rank_, .op = "allocate"});
+        }
+      }
       barrier_steps(d, dl);  // every rank has mapped every segment
       own.close_descriptor();
     }, true);

@@ -457,7 +457,8 @@ class ring_backend {
     st.set_string(key + std::to_string(s_->rank), std::string(to_string(hierarchy)) + " " + mine);
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(key + std::to_string(r));
-    st.wait(keys, setup.remaining());
+    ddp::store::wait_for_ranks(st, s_->size, s_->rank, [&](int r) { return keys[static_cast<std::size_t>(r)]; }, setup.remaining(),
+                               "their host identity");
     std::vector<std::string> ids;
     for (int r = 0; r < s_->size; ++r) {
       std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);

@@ -87,6 +87,37 @@ inline std::int64_t parse_counter(std::span<const std::byte> value, const std::s
   return n;
 }
 
+/// Waits for one key per rank (`key_of(r)` for every r but `self`); on a timeout, throws
+/// errc::timeout naming the ranks whose keys are still missing and what they did not publish
+/// (`what`, e.g. "their heartbeat address"), with this rank in the context.
+template <class KeyOf>
+void wait_for_ranks(store& st, int size, int self, KeyOf&& key_of, std::chrono::milliseconds timeout, std::string_view what) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r)
+    if (r != self) keys.push_back(key_of(r));
+  try {
+    st.wait(keys, timeout);
+  } catch (const error& e) {
+    if (e.code() != errc::timeout) throw;
+    std::string missing;
+    int count = 0;
+    for (int r = 0; r < size; ++r) {
+      if (r == self) continue;
+      try {
+        st.wait({key_of(r)}, std::chrono::milliseconds(1));
+      } catch (const error& probe) {
+        if (probe.code() != errc::timeout) throw;
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        ++count;
+      }
+    }
+    if (count == 0) throw;
+    throw error(errc::timeout, std::string(count == 1 ? "rank " : "ranks ") + missing + " did not publish " + std::string(what) +
+                                   " within " + std::to_string(timeout.count()) + " ms: exited, hung, or never started?",
+                {.rank = self});
+  }
+}
+
 inline std::vector<std::byte> to_bytes(std::string_view text) {
   const auto* p = reinterpret_cast<const std::byte*>(text.data());
   return std::vector<std::byte>(p, p + text.size());

@@ -229,10 +229,7 @@ class liveness_monitor {
     std::ostringstream mine;
     mine << token_ << ' ' << ::getpid() << ' ' << numeric << ' ' << port << ' ' << identity;
     st.set_string(key(rank), mine.str());
-    std::vector<std::string> keys;
-    for (int r = 0; r < size; ++r)
-      if (r != rank) keys.push_back(key(r));
-    st.wait(keys, setup.remaining());
+    ddp::store::wait_for_ranks(st, size, rank, key, setup.remaining(), "their heartbeat address");
     peers_.resize(static_cast<std::size_t>(size));
     for (int r = 0; r < size; ++r) {
       if (r == rank) continue;

@@ -134,7 +134,7 @@ class shm_group {
                                       "': shared memory needs every rank of the group on one host");
       }
       auto& seg = segments_[static_cast<std::size_t>(r)];
-      seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "rank " + std::to_string(r));
+      seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer rank " + std::to_string(r));
       const auto* id = identity_of(seg.data());
       if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
         throw error(errc::internal, "shared-memory segment " + seg.name() + " does not belong to rank " + std::to_string(r));
@@ -177,7 +177,7 @@ class shm_group {
       throw error(errc::internal, "rank " + std::to_string(r) + " offered segment " + std::to_string(word >> 32) + " for " + what +
                                       ", expected " + std::to_string(seq));
     }
-    return shm_segment::open(pid_of(r), static_cast<int>(static_cast<std::uint32_t>(word)), bytes, "rank " + std::to_string(r));
+    return shm_segment::open(pid_of(r), static_cast<int>(static_cast<std::uint32_t>(word)), bytes, "peer rank " + std::to_string(r));
   }
 
   /// Backs [offset, offset + bytes) of rank r's payload with memory now (see shm_segment::populate).

@@ -230,7 +230,7 @@ class shm_segment {
   }
 
   /// Maps the segment that process `pid` created and holds open as descriptor `fd`, checking its
-  /// size. `who` names the creator in messages ("rank 3"). A creator that has exited (or closed
+  /// size. `who` names the creator in messages ("peer rank 3"). A creator that has exited (or closed
   /// the descriptor) is errc::peer_lost.
   static shm_segment open(pid_t pid, int fd, std::size_t bytes, const std::string& who) {
     shm_segment s;
