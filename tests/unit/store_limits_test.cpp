@@ -27,6 +27,18 @@ using core = ds::server_core;
 
 namespace {
 
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr bool sanitized_build = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+constexpr bool sanitized_build = true;
+#else
+constexpr bool sanitized_build = false;
+#endif
+#else
+constexpr bool sanitized_build = false;
+#endif
+
 constexpr std::size_t big_value = ddp::store::max_value_bytes;  // 64 MiB
 
 // The header and key of a set() of a value of `n` bytes; the value is sent separately.
@@ -265,7 +277,13 @@ TEST_CASE("tcp_store: 20 clients each holding an unfinished 64 MiB frame do not 
   WARN(clients << " clients x unfinished 64 MiB frame (" << complete << " sent all but the last byte): server RSS "
                << before / 1024 << " MiB -> " << after / 1024 << " MiB (bound: " << bound_kib / 1024
                << " MiB = frame budget + 128 KiB a connection + 64 MiB for the program)");
-  CHECK(after - before <= bound_kib);
+  if (sanitized_build) {
+    // Shadow memory (several bytes per byte the server touches) and ASan's quarantine make RSS
+    // no measure of what the server holds; the release build checks the bound.
+    WARN("SKIPPED: the RSS bound under a sanitizer (its shadow memory counts in RSS)");
+  } else {
+    CHECK(after - before <= bound_kib);
+  }
 
   // They stall: each admitted one is closed at the frame timeout, with a line naming the peer and the limit.
   CHECK(server.log_shows("an unfinished request frame (67108873 of 67108874 bytes) for longer than the frame timeout of 3000 ms", 10s));
