@@ -68,20 +68,20 @@ CATEGORIES = (
 # Known gaps (--known-gaps): failures that are counted and printed but do not fail the run.
 #   rendezvous: a rank killed before it has published anything is found only at DDP_TIMEOUT
 #     (by hand), or its survivors are stopped by ddprun before they can say anything; and a
-#     survivor may name another rank that failed in the cascade. Categories wrong_rank,
-#     no_error and slow_end of trials in the rendezvous phase.
+#     survivor may name another rank that failed in the cascade, or every rank it still waits
+#     for. Categories wrong_rank, unnamed, no_error and slow_end of trials in the rendezvous phase.
 #   store_host_race: over tcp, rank 0 fails first (it saw the death), exits and takes the store
 #     with it; a survivor that then asks the store for the cause names rank 0 as the store's
 #     host. Category wrong_rank where the error blames the store's host.
 KNOWN_GAPS = {
-    "rendezvous": lambda r, c: r["trial"]["phase"] == "rendezvous" and c in ("wrong_rank", "no_error", "slow_end"),
+    "rendezvous": lambda r, c: r["trial"]["phase"] == "rendezvous" and c in ("wrong_rank", "unnamed", "no_error", "slow_end"),
     "store_host_race": lambda r, c: c == "wrong_rank" and r.get("store_host_race", False),
 }
 
 MARKER = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) phase=(\w+)$")
 FAILURE = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) (error|wrong result): (.*)$")
 SELF_PREFIX = re.compile(r"^ddp: rank (\d+): ")
-NAMED_RANK = re.compile(r"\brank(?:\(s\))? (\d+)\b")
+NAMED_RANK = re.compile(r"\branks?(?:\(s\))? (\d+)\b")
 
 
 CHILD_WAKEUP = -1  # read end of the pipe that signal.set_wakeup_fd writes to on SIGCHLD
