@@ -21,6 +21,7 @@
 #include "ddp/store/detail/hmac_sha256.hpp"
 #include "ddp/store/detail/secret.hpp"
 #include "ddp/store/tcp_store.hpp"
+#include "support/log_capture.hpp"
 #include "support/multiprocess.hpp"
 
 namespace ddp_test_store_auth {
@@ -68,22 +69,7 @@ struct temp_dir {
   }
 };
 
-struct log_capture {
-  std::mutex mutex;
-  std::vector<std::string> lines;
-  ddp::store::store_log_fn sink() {
-    return [this](const std::string& line) {
-      std::lock_guard g(mutex);
-      lines.push_back(line);
-    };
-  }
-  std::string all() {
-    std::lock_guard g(mutex);
-    std::string s;
-    for (const auto& l : lines) s += l + "\n";
-    return s;
-  }
-};
+using ddp::test::log_capture;
 
 }  // namespace
 

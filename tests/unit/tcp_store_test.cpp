@@ -18,6 +18,7 @@
 #include "ddp/store/detail/frame.hpp"
 #include "ddp/store/detail/hmac_sha256.hpp"
 #include "ddp/store/tcp_store.hpp"
+#include "support/log_capture.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
@@ -71,27 +72,7 @@ int open_fds() {
   return n;
 }
 
-// Collects the server's log lines (written by its thread, read by the test).
-struct log_capture {
-  std::mutex mutex;
-  std::vector<std::string> lines;
-  ddp::store::store_log_fn sink() {
-    return [this](const std::string& line) {
-      std::lock_guard g(mutex);
-      lines.push_back(line);
-    };
-  }
-  bool contains(const std::string& text) {
-    std::lock_guard g(mutex);
-    return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; });
-  }
-  std::string all() {
-    std::lock_guard g(mutex);
-    std::string s;
-    for (const auto& l : lines) s += l + "\n";
-    return s;
-  }
-};
+using ddp::test::log_capture;
 
 tcp_store::options client_of(const tcp_store_server& s, std::chrono::milliseconds timeout = 10s) {
   return {.host = "127.0.0.1", .port = s.port(), .timeout = timeout, .token = std::string()};
