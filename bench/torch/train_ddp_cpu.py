@@ -191,6 +191,9 @@ def main():
                            "heldout_mean_loss": heldout_loss[-1]})
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1)
+    # Every rank leaves together: a gloo rank that tears down while a peer is still sending aborts
+    # in a destructor ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
