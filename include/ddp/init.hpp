@@ -123,7 +123,8 @@ DDP_COMPILED_INLINE std::shared_ptr<store::store> pg_make_store(const launch_env
   }
   // Rank 0 runs the server: a rank that loses the store then names rank 0 (hosted_by).
   return std::make_shared<store::tcp_store>(store::tcp_store::options{
-      .host = env.master_addr, .port = port, .is_server = rank == 0, .timeout = timeout, .job = env.job_id, .hosted_by = "rank 0"});
+      .host = env.master_addr, .port = port, .is_server = rank == 0, .timeout = timeout, .job = env.job_id, .hosted_by = "rank 0",
+      .member = "rank " + std::to_string(rank)});
 }
 #else
 std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank, std::chrono::milliseconds timeout);

@@ -81,6 +81,7 @@
 #include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/detail/process.hpp"
+#include "ddp/store/tcp_store.hpp"
 
 extern char** environ;  // NOLINT: POSIX
 
@@ -232,7 +233,8 @@ struct output_pipe {
 /// Whether a worker's error line reports another rank's failure rather than a cause of its own.
 inline bool is_consequence(std::string_view line) {
   for (std::string_view s : {"peer rank ", "closed the connection", "reset the connection", "was aborted",
-                             "aborted the communicator", "unusable after an earlier failure", "noticed by rank"}) {
+                             "aborted the communicator", "unusable after an earlier failure", "noticed by rank",
+                             "left the job without a word", " saw"}) {
     if (line.find(s) != std::string_view::npos) return true;
   }
   return false;
@@ -481,9 +483,25 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     if (w.exec_failed) break;
   }
 
+  // The first failure is told to the job's store (held by global rank 0), so that every rank
+  // waiting there, in rendezvous say, names the rank that ended at once, even one that died
+  // before it reached the store (store/detail/server_core.hpp, "Departures"). Bounded: the
+  // store's host may be the one that ended.
+  const auto report_departure = [&](const worker_status& w) {
+    if (w.rank == 0 || world < 2) return;
+    try {
+      store::tcp_store st({.host = result.master_addr, .port = static_cast<std::uint16_t>(result.master_port),
+                           .timeout = std::chrono::milliseconds(300),
+                           .token = token.empty() ? std::optional<std::string>() : std::optional<std::string>(token),
+                           .job = job_id});
+      st.report_departure("rank " + std::to_string(w.rank), w.describe() + ", as " + options.name + " saw");
+    } catch (const std::exception&) {  // the store is a courtesy channel: the summary still names the cause
+    }
+  };
   // Records each worker that has ended. The first failure starts the settle period (the root
   // cause is chosen when all have ended); its end, or a settle period of 0, stops the others.
   const auto reap = [&] {
+    const bool none_failed_before = result.failed < 0;
     for (std::size_t i = 0; i < result.workers.size(); ++i) {
       auto& w = result.workers[i];
       if (w.pid <= 0 || w.ended) continue;
@@ -497,7 +515,11 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       else if (WIFEXITED(status)) w.exit_code = WEXITSTATUS(status);
       ::kill(-w.pid, SIGKILL);  // what it left behind in its group
       if (!w.ok() && !w.stopped && result.failed < 0) result.failed = static_cast<int>(i);
+      // Of the failures reaped together, a death by signal is likelier the cause than an exit.
+      if (none_failed_before && !w.ok() && !w.stopped && w.signal != 0 && result.workers[static_cast<std::size_t>(result.failed)].signal == 0)
+        result.failed = static_cast<int>(i);
     }
+    if (none_failed_before && result.failed >= 0) report_departure(result.workers[static_cast<std::size_t>(result.failed)]);
     if (result.failed >= 0 && !stopping && settle_until.is_never()) {
       if (options.settle_period.count() == 0) begin_stop(SIGTERM);
       else settle_until = deadline::after(options.settle_period);

@@ -32,13 +32,16 @@ void require(bool ok) {
 
 std::vector<std::byte> reencode(const ds::request& r) {
   switch (r.op) {
-    case ds::opcode::set: return ds::encode_request(r.op, r.key, r.value);
+    case ds::opcode::set:
+    case ds::opcode::depart: return ds::encode_request(r.op, r.key, r.value);
     case ds::opcode::get: return ds::encode_get(r.key, r.timeout_ms);
     case ds::opcode::add: return ds::encode_add(r.key, r.delta);
     case ds::opcode::compare_set: return ds::encode_compare_set(r.key, r.expected, r.value);
     case ds::opcode::wait: return ds::encode_wait(r.keys, r.timeout_ms);
     case ds::opcode::erase:
-    case ds::opcode::num_keys: return ds::encode_request(r.op, r.key, {});
+    case ds::opcode::num_keys:
+    case ds::opcode::member:
+    case ds::opcode::leave: return ds::encode_request(r.op, r.key, {});
   }
   return {};
 }

@@ -466,6 +466,102 @@ TEST_CASE("tcp_store: server process killed while clients wait in get(): errc::s
   for (int i = 1; i <= clients; ++i) CHECK(r.ranks[static_cast<std::size_t>(i)].ok());
 }
 
+TEST_CASE("tcp_store: a member killed without leaving is named at once to every parked and every later wait") {
+  std::uint16_t port = 0;
+  {
+    tcp_store_server probe({.port = 0, .token = std::string()});
+    port = probe.port();
+  }
+  constexpr int ranks = 4;
+  constexpr int victim = 3;
+  const auto r = ddp::test::run_ranks(
+      ranks,
+      [&](int rank) {
+        tcp_store s({.port = port, .is_server = rank == 0, .timeout = 30s, .token = std::string(), .member = "rank " + std::to_string(rank)});
+        s.set_string("arrived/" + std::to_string(rank), "1");
+        if (rank == victim) {
+          std::vector<std::string> others;
+          for (int i = 0; i < ranks; ++i)
+            if (i != victim) others.push_back("arrived/" + std::to_string(i));
+          s.wait(others);  // everyone is connected and about to wait on a key only the victim would set
+          ::raise(SIGKILL);
+        }
+        const auto start = std::chrono::steady_clock::now();
+        for (int round = 0; round < 2; ++round) {  // the parked wait, then one made after the death
+          try {
+            s.wait({"never-set"}, 20s);
+            ddp::test::check(false, "a wait on a key nobody sets returned");
+          } catch (const ddp::error& e) {
+            ddp::test::check(e.code() == ddp::errc::peer_lost, std::string("code peer_lost, got: ") + e.what());
+            ddp::test::check(e.message().find("rank 3 left the job") == 0, e.what());
+          }
+        }
+        const auto ms = std::chrono::steady_clock::now() - start;
+        ddp::test::check(ms < 2s, "the death was heard within 2 s, not at the 20 s deadline");
+        if (rank == 0) s.set_string("survivors/done", "1");  // keys can still be written and read
+      },
+      60s);
+  INFO(r.describe());
+  CHECK(r.ranks[static_cast<std::size_t>(victim)].signal == SIGKILL);
+  for (int i = 0; i < ranks; ++i)
+    if (i != victim) CHECK(r.ranks[static_cast<std::size_t>(i)].ok());
+}
+
+TEST_CASE("tcp_store: a member that leaves (its store destroyed) is no departure, nor is an anonymous client's close") {
+  tcp_store_server server({.port = 0, .token = std::string()});
+  auto member = client_of(server, 30s);
+  member.member = "rank 1";
+  tcp_store waiter(client_of(server, 30s));
+  {
+    tcp_store leaving(member);
+    leaving.set_string("k", "v");
+  }
+  {
+    tcp_store anonymous(client_of(server, 30s));
+    anonymous.set_string("k2", "v");
+  }
+  try {
+    waiter.wait({"never-set"}, 300ms);
+    FAIL("a wait on a key nobody sets returned");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::timeout);
+  }
+}
+
+TEST_CASE("tcp_store: a stopping server keeps serving members still connected, until they leave or the linger ends") {
+  using clock = std::chrono::steady_clock;
+  auto server = std::make_unique<tcp_store_server>(tcp_store_server::options{.port = 0, .token = std::string(), .linger = 3s});
+  auto o = client_of(*server, 30s);
+  o.member = "rank 1";
+  auto member = std::make_unique<tcp_store>(o);
+  std::atomic<bool> stopping{false};
+  clock::duration stop_took{};
+  std::thread stopper([&] {
+    stopping = true;
+    const auto t0 = clock::now();
+    server.reset();
+    stop_took = clock::now() - t0;
+  });
+  while (!stopping.load()) std::this_thread::yield();
+  // Whether or not the stop has begun, the member is served.
+  member->set_string("report", "rank 2 died");
+  CHECK(member->get_string("report") == "rank 2 died");
+  member.reset();  // leaves: the server stops now, not at the 3 s linger
+  stopper.join();
+  CHECK(stop_took < 2s);
+
+  // A member that never leaves holds a stop only for the linger.
+  auto server2 = std::make_unique<tcp_store_server>(tcp_store_server::options{.port = 0, .token = std::string(), .linger = 300ms});
+  auto o2 = client_of(*server2, 30s);
+  o2.member = "rank 1";
+  tcp_store stays(o2);
+  const auto t0 = clock::now();
+  server2.reset();
+  const auto took = clock::now() - t0;
+  CHECK(took >= 250ms);
+  CHECK(took < 2s);
+}
+
 TEST_CASE("tcp_store: malformed frames close only the offending connection, with a logged reason") {
   log_capture log;
   tcp_store_server server({.port = 0, .token = std::string(), .log = log.sink()});

@@ -421,6 +421,9 @@ class ring_communicator {
       }
       return mine;
     } catch (const error& x) {
+      // The store saw a rank die (tcp_store's departures): that rank is the root, whichever
+      // neighbour this rank saw close.
+      if (x.code() == errc::peer_lost) return detail::failure_report{.root = -1, .chain = {me}, .cause = x.message() + " (and " + cause + ")"};
       if (x.code() != errc::store) return mine;
       // The store's server is gone: its host died (the store says which rank that is), which
       // is the likelier root than the peer whose connection this rank saw close.

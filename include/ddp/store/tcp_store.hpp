@@ -148,9 +148,13 @@ class tcp_store_server {
     std::chrono::milliseconds frame_timeout = std::chrono::seconds(60);
     std::size_t frame_budget = detail::server_core::default_frame_budget;
     std::size_t max_unauthenticated = 512;
+    // Stopping, the server keeps serving while members (tcp_store::options::member) are still
+    // connected, at most this long: a failing store host must not take the store away from
+    // ranks that are reading the failure reports it posted (ring_communicator.hpp).
+    std::chrono::milliseconds linger = std::chrono::seconds(1);
   };
 
-  explicit tcp_store_server(options opts) : host_(opts.host) {
+  explicit tcp_store_server(options opts) : host_(opts.host), linger_(opts.linger) {
     const auto auth = detail::resolve_auth(opts.token, opts.job);
     const std::string& token = auth.token;
     const std::string wanted = detail::host_port(opts.host, opts.port);
@@ -182,7 +186,8 @@ class tcp_store_server {
   tcp_store_server(const tcp_store_server&) = delete;
   tcp_store_server& operator=(const tcp_store_server&) = delete;
 
-  /// Stops serving: every client connection is closed (clients see errc::store).
+  /// Stops serving once no member is connected (at most options::linger from now): every client
+  /// connection is then closed (clients see errc::store).
   ~tcp_store_server() {
     stop_.store(true);
     const char b = 1;
@@ -249,7 +254,15 @@ class tcp_store_server {
     std::vector<pollfd> pfds;
     std::vector<std::uint64_t> ids;
     std::vector<std::uint64_t> dead;
-    while (!stop_.load()) {
+    std::optional<deadline> linger_until;
+    for (;;) {
+      if (stop_.load()) {
+        if (!linger_until) linger_until = deadline::after(linger_);
+        // After a departure a rank may still be on its way (started late): it is given a short
+        // quiet spell to connect and hear who died, instead of finding no store.
+        const bool quiet = core_->departed().empty() || clock::now() >= last_open_ + quiet_spell;
+        if ((core_->num_members_present() == 0 && quiet) || linger_until->expired()) break;
+      }
       pfds.clear();
       ids.clear();
       pfds.push_back({wake_read_.get(), POLLIN, 0});
@@ -265,11 +278,22 @@ class tcp_store_server {
       int timeout_ms = -1;
       if (auto next = core_->next_deadline()) timeout_ms = deadline(*next).poll_timeout_ms();
       if (!accepting) timeout_ms = timeout_ms < 0 ? 100 : std::min(timeout_ms, 100);
+      if (linger_until) {  // wakes for the linger's end and the quiet spell's, whichever is first
+        const int quiet_left = static_cast<int>(std::clamp<std::int64_t>(
+            std::chrono::duration_cast<std::chrono::milliseconds>(last_open_ + quiet_spell - clock::now()).count() + 1, 1, 250));
+        const int left = std::min(linger_until->poll_timeout_ms(), quiet_left);
+        timeout_ms = timeout_ms < 0 ? left : std::min(timeout_ms, left);
+      }
       if (::poll(pfds.data(), pfds.size(), timeout_ms) < 0) {
         if (errno == EINTR) continue;
         throw error(errc::store, system_message("poll"));
       }
-      if (stop_.load()) break;
+      if (pfds[0].revents & POLLIN) {  // the stop request: drained, so that lingering polls sleep
+        char sink[16];
+        while (::read(wake_read_.get(), sink, sizeof sink) > 0) {
+        }
+        continue;
+      }
       const auto now = clock::now();
 
       dead.clear();
@@ -287,6 +311,7 @@ class tcp_store_server {
         }
         if (gone) dead.push_back(id);
       }
+      if (!dead.empty() || core_->num_connections() > 0) last_open_ = now;
       for (const auto id : dead) drop(id);
       // After the reads: accepting may evict (close) connections polled above, whose descriptor
       // numbers a new connection may then reuse.
@@ -358,6 +383,7 @@ class tcp_store_server {
   }
 
   std::string host_;
+  std::chrono::milliseconds linger_;
   std::uint16_t port_ = 0;
   detail::unique_fd listen_;
   detail::unique_fd wake_read_, wake_write_;
@@ -366,6 +392,8 @@ class tcp_store_server {
   std::unordered_map<std::uint64_t, detail::unique_fd> fds_;
   std::uint64_t next_id_ = 1;
   clock::time_point accept_pause_until_{};
+  clock::time_point last_open_{};  // the last loop that saw a connection open
+  static constexpr std::chrono::milliseconds quiet_spell{250};
   std::atomic<bool> stop_{false};
   std::thread thread_;  // last: starts after everything above exists
 };
@@ -385,9 +413,13 @@ class tcp_store final : public store {
     store_log_fn log = {};                                  // the server's log, with is_server
     std::string job = {};                                   // this rank's job identity; empty: none
     std::string hosted_by = {};  // who runs the server, e.g. "rank 0": errors name it; empty: not named
+    // The participant this connection speaks for, e.g. "rank 3" (server_core.hpp, "Departures"):
+    // if this process dies, every rank waiting on the store hears it named at once. The
+    // destructor says `leave`. Empty: an anonymous client, whose close means nothing.
+    std::string member = {};
   };
 
-  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job), hosted_by_(opts.hosted_by) {
+  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job), hosted_by_(opts.hosted_by), member_(opts.member) {
     set_timeout(opts.timeout);
     auth_ = detail::resolve_auth(opts.token, job_);
     if (opts.is_server) {
@@ -396,11 +428,18 @@ class tcp_store final : public store {
       port_ = server_->port();
     }
     connect(auth_.token, deadline::after(opts.timeout));
+    if (!member_.empty()) {
+      call(detail::opcode::member, detail::encode_request(detail::opcode::member, member_, {}), deadline::after(timeout()));
+    }
   }
 
   tcp_store(const tcp_store&) = delete;
   tcp_store& operator=(const tcp_store&) = delete;
   ~tcp_store() override {
+    if (fd_ && !member_.empty()) {  // an orderly close: no departure for the other ranks to hear of
+      const auto frame = detail::encode_request(detail::opcode::leave, {}, {});
+      (void)detail::send_all_by(fd_.get(), frame, deadline::after(std::chrono::milliseconds(100)));
+    }
     fd_.reset();  // close our connection before our server (if any) stops
     server_.reset();
   }
@@ -446,6 +485,16 @@ class tcp_store final : public store {
     }
     if (bytes > detail::max_wait_bytes) throw error(errc::invalid_argument, "store.wait: too many keys in one call");
     call(detail::opcode::wait, detail::encode_wait(keys, timeout_ms(t)), blocking_deadline(t), t);
+  }
+
+  /// Tells the server that `member` (e.g. "rank 2") is gone, in `what` (which should start with
+  /// its name): every rank waiting on the store gets errc::peer_lost with it (server_core.hpp,
+  /// "Departures"). What a launcher calls when it sees a rank end.
+  void report_departure(const std::string& member, const std::string& what) {
+    check_key(member);
+    const auto* p = reinterpret_cast<const std::byte*>(what.data());
+    call(detail::opcode::depart, detail::encode_request(detail::opcode::depart, member, std::span(p, std::min(what.size(), std::size_t{4096}))),
+         deadline::after(timeout()));
   }
 
   bool erase(const std::string& key) override {
@@ -549,6 +598,8 @@ class tcp_store final : public store {
       }
       case detail::status::invalid_argument:
         throw error(errc::invalid_argument, detail::to_string(payload), {.op = name});
+      case detail::status::departed:
+        throw error(errc::peer_lost, detail::to_string(payload), {.op = name});
     }
     fail(errc::store, server_name() + " sent an unknown status " + std::to_string(st), name.c_str());
   }
@@ -605,6 +656,7 @@ class tcp_store final : public store {
   std::uint16_t port_;
   std::string job_;
   std::string hosted_by_;
+  std::string member_;
   detail::store_auth auth_;
   std::unique_ptr<tcp_store_server> server_;
   detail::unique_fd fd_;

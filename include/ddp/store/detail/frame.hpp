@@ -24,10 +24,16 @@
 //     wait         no key, value = timeout_ms u64 | count u32 | (key bytes u32 | key) * count
 //     erase        key, no value
 //     num_keys     no key, no value
+//     member       key = the participant this connection speaks for (e.g. "rank 3"), no value
+//     leave        no key, no value, no response: the participant is done; its close is orderly
+//     depart       key = a participant, value = what happened to it (its launcher saw it end)
 //   response       status u8 | payload bytes u32 | payload
 //     ok: get/compare_set -> the value; add/num_keys -> i64; erase -> u8 existed; others empty
 //     timeout: count u32 | (key bytes u32 | key) * count, the keys still missing
 //     invalid_argument: a message
+//     departed: a message naming the participant whose connection closed without `leave`
+//       (the process died); the answer to every parked get/wait, and to every later one that
+//       would park, once a participant has departed
 // job: the job identity of the rank or server (launch_environment::job_id), zero-padded; all
 // zeros when it has none. A client and a server that both have one and differ belong to two
 // jobs that share a port: the client refuses the server before it sends its proof, the server
@@ -52,7 +58,7 @@
 namespace ddp::store::detail {
 
 inline constexpr std::uint32_t protocol_magic = 0x53504444u;  // the bytes "DDPS"
-inline constexpr std::uint16_t protocol_version = 3;
+inline constexpr std::uint16_t protocol_version = 4;
 inline constexpr std::size_t job_field_bytes = 64;
 inline constexpr std::size_t nonce_bytes = 32;
 inline constexpr std::size_t proof_bytes = 32;
@@ -73,8 +79,8 @@ inline constexpr std::size_t max_response_bytes = max_value_bytes + 16;
 /// The largest request frame the parser accepts: a compare_set of two values at the limit.
 inline constexpr std::size_t max_request_bytes = request_header_bytes + max_key_bytes + 4 + 2 * max_value_bytes;
 
-enum class opcode : std::uint8_t { set = 1, get, add, compare_set, wait, erase, num_keys };
-enum class status : std::uint8_t { ok = 0, timeout = 1, invalid_argument = 2 };
+enum class opcode : std::uint8_t { set = 1, get, add, compare_set, wait, erase, num_keys, member, leave, depart };
+enum class status : std::uint8_t { ok = 0, timeout = 1, invalid_argument = 2, departed = 3 };
 
 inline std::string_view to_string(opcode op) noexcept {
   switch (op) {
@@ -85,6 +91,9 @@ inline std::string_view to_string(opcode op) noexcept {
     case opcode::wait: return "store.wait";
     case opcode::erase: return "store.erase";
     case opcode::num_keys: return "store.num_keys";
+    case opcode::member: return "store.member";
+    case opcode::leave: return "store.leave";
+    case opcode::depart: return "store.depart";
   }
   return "store.?";
 }
@@ -313,7 +322,7 @@ inline parse_result parse_request(std::span<const std::byte> buf) {
   parse_result r;
   if (buf.size() < 1) return r;
   const auto raw_op = std::to_integer<std::uint8_t>(buf[0]);
-  if (raw_op < static_cast<std::uint8_t>(opcode::set) || raw_op > static_cast<std::uint8_t>(opcode::num_keys)) {
+  if (raw_op < static_cast<std::uint8_t>(opcode::set) || raw_op > static_cast<std::uint8_t>(opcode::depart)) {
     r.status = parse_status::invalid;
     r.reason = "unknown opcode " + std::to_string(raw_op);
     return r;
@@ -328,12 +337,13 @@ inline parse_result parse_request(std::span<const std::byte> buf) {
     return r;
   };
 
-  const bool has_key = op != opcode::wait && op != opcode::num_keys;
+  const bool has_key = op != opcode::wait && op != opcode::num_keys && op != opcode::leave;
   if (has_key && (klen == 0 || klen > max_key_bytes))
     return invalid("key of " + std::to_string(klen) + " bytes (must be 1 to " + std::to_string(max_key_bytes) + ")");
   if (!has_key && klen != 0) return invalid("unexpected key of " + std::to_string(klen) + " bytes");
   switch (op) {
     case opcode::set:
+    case opcode::depart:
       if (vlen > max_value_bytes)
         return invalid("value of " + std::to_string(vlen) + " bytes exceeds " + std::to_string(max_value_bytes));
       break;
@@ -350,6 +360,8 @@ inline parse_result parse_request(std::span<const std::byte> buf) {
       break;
     case opcode::erase:
     case opcode::num_keys:
+    case opcode::member:
+    case opcode::leave:
       if (vlen != 0) return invalid("unexpected value of " + std::to_string(vlen) + " bytes");
       break;
   }
@@ -365,6 +377,7 @@ inline parse_result parse_request(std::span<const std::byte> buf) {
   r.req.key.assign(reinterpret_cast<const char*>(key), klen);
   switch (op) {
     case opcode::set:
+    case opcode::depart:
       r.req.value.assign(value.begin(), value.end());
       break;
     case opcode::get:
@@ -390,6 +403,8 @@ inline parse_result parse_request(std::span<const std::byte> buf) {
     }
     case opcode::erase:
     case opcode::num_keys:
+    case opcode::member:
+    case opcode::leave:
       break;
   }
   r.status = parse_status::complete;

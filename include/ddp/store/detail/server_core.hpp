@@ -22,6 +22,15 @@
 //   small_frame_bytes, whatever the clients send;
 // - a frame that stays unfinished for frame_timeout while the server is reading it closes its
 //   connection (one line naming the peer and the limit), so a stalled client cannot hold the budget.
+//
+// Departures: a connection may say which participant it speaks for (`member`, e.g. "rank 3") and,
+// when that participant is done, `leave`. A member's connection that closes without `leave` means
+// its process died (the kernel closed the socket) or gave up on the store: every parked get/wait
+// is answered `departed`, naming it, and so is every later one that would park. A rank waiting in
+// rendezvous for keys that a dead rank will never write learns who died at once, instead of at
+// its deadline. Connections this server closes for cause are not members' departures. A launcher
+// that saw a participant end says so with `depart` (its words become the answer): that covers a
+// rank that died before it reached the store.
 
 #include <algorithm>
 #include <array>
@@ -179,11 +188,28 @@ class server_core {
 
   /// The connection is gone (closed by us or by the peer): forget it and its parked request.
   void close(conn_id id) {
-    if (auto it = conns_.find(id); it != conns_.end()) release(it->second);
+    std::string departed;
+    if (auto it = conns_.find(id); it != conns_.end()) {
+      release(it->second);
+      if (!it->second.member.empty() && !it->second.left && it->second.state != phase::closing) departed = it->second.member;
+    }
     conns_.erase(id);
     unauthenticated_.erase(id);
     std::erase_if(waiters_, [&](const waiter& w) { return w.conn == id; });
+    if (!departed.empty()) depart(departed, departed + " left the job without a word: its connection to the store closed (the process died?)");
     admit_waiting();
+  }
+
+  /// The members whose connections closed without leaving, in the order they went.
+  const std::vector<std::string>& departed() const noexcept { return departed_; }
+  /// Connections that may still need the store: every open one but those whose member left
+  /// and anonymous clients past their handshake (what a stopping server waits for: tcp_store.hpp).
+  /// A connection in its handshake counts: it may be a rank about to become a member.
+  std::size_t num_members_present() const noexcept {
+    return static_cast<std::size_t>(std::count_if(conns_.begin(), conns_.end(), [](const auto& kv) {
+      const connection& c = kv.second;
+      return c.state != phase::closing && !c.left && (c.state != phase::ready || !c.member.empty());
+    }));
   }
 
   /// Answers parked requests whose deadline passed, and drops connections stuck in the handshake.
@@ -272,6 +298,8 @@ class server_core {
     bool waiting_budget = false;  // in budget_queue_
     bool frame_clock = false;     // `in` holds part of a frame since frame_started
     clock::time_point frame_started{};
+    std::string member;  // the participant it speaks for ("rank 3"); empty: not said
+    bool left = false;   // the member said `leave`: its close is orderly
   };
 
   struct waiter {
@@ -435,6 +463,10 @@ class server_core {
           else respond(id, status::ok, {});
           return;
         }
+        if (!departed_.empty()) {  // a key that a dead member was to write never comes
+          respond(id, status::departed, departure_message());
+          return;
+        }
         // Parked until every key exists or the client's timeout passes; the client never polls.
         const auto limit = clock::time_point::max() - now;
         const auto wait = std::chrono::duration_cast<clock::duration>(
@@ -494,7 +526,40 @@ class server_core {
         respond(id, status::ok, out);
         return;
       }
+      case opcode::member:
+        c.member = std::move(req.key);
+        respond(id, status::ok, {});
+        return;
+      case opcode::leave:  // no answer: the client closes right after
+        c.left = true;
+        return;
+      case opcode::depart:
+        depart(req.key, to_string(req.value));
+        respond(id, status::ok, {});
+        return;
     }
+  }
+
+  // A member's process is gone: every parked request is answered with its name. The first word
+  // on a member stands (its launcher's and its closed connection may both arrive).
+  void depart(const std::string& member, const std::string& what) {
+    if (std::find(departed_.begin(), departed_.end(), member) != departed_.end()) return;
+    departed_.push_back(member);
+    if (departures_.empty()) departures_ = what;
+    if (opts_.log) opts_.log(what);
+    const auto message = departure_message();
+    for (auto& w : waiters_) {
+      respond(w.conn, status::departed, message);
+      w.done = true;
+    }
+    finish_waiters();
+  }
+
+  std::vector<std::byte> departure_message() const {
+    std::string m = departures_;
+    if (departed_.size() > 1) m += "; " + std::to_string(departed_.size() - 1) + " more since";
+    const auto* p = reinterpret_cast<const std::byte*>(m.data());
+    return std::vector<std::byte>(p, p + m.size());
   }
 
   // A key was written: answer every parked request that can now be answered.
@@ -542,6 +607,8 @@ class server_core {
   std::map<std::string, std::vector<std::byte>, std::less<>> data_;
   std::vector<waiter> waiters_;
   std::deque<conn_id> resumed_;
+  std::vector<std::string> departed_;
+  std::string departures_;  // what is said of the first departed member
 };
 
 }  // namespace ddp::store::detail
