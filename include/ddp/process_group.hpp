@@ -239,8 +239,8 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   }
 
   // --- barrier -------------------------------------------------------------------------------
-  void barrier() { run(describe<std::uint8_t>(collective::barrier, 0), 0, barrier_call()); }
-  work barrier_async() { return submit(describe<std::uint8_t>(collective::barrier, 0), 0, barrier_call()); }
+  void barrier() { run(barrier_desc(), 0, barrier_call()); }
+  work barrier_async() { return submit(barrier_desc(), 0, barrier_call()); }
 
   // --- point to point (sequenced like collectives: both ranks must agree on the order) ---
   template <dtype_like T>
@@ -569,6 +569,13 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     };
   }
 
+  // A barrier moves no elements: its description says uint8 and count 0 (what every rank's
+  // fingerprint agrees on) without describe()'s check, so a backend that opts out of uint8
+  // (supports_dtype_v) still has barrier().
+  collective_desc barrier_desc() const {
+    live();
+    return collective_desc{.seq = 0, .op = collective::barrier, .type = dtype::uint8, .count = 0};
+  }
   auto barrier_call() {
     return [st = s_.get()](const collective_desc& d, deadline until) {
       if constexpr (detail::pg_ext_barrier<B>) st->backend.barrier(d, until);

@@ -138,3 +138,38 @@ TEST_CASE("custom backend: the watchdog aborts it when a rank never arrives") {
 }
 
 }  // namespace ddp_test_custom_backend
+
+// A backend that opts out of uint8 through ddp::supports_dtype_v (below): the other dtypes and
+// barrier (which moves no elements) still work.
+namespace ddp_test_custom_backend {
+struct no_uint8_backend : example::store_backend {
+  using example::store_backend::store_backend;
+};
+}  // namespace ddp_test_custom_backend
+
+namespace ddp {
+template <>
+inline constexpr bool supports_dtype_v<ddp_test_custom_backend::no_uint8_backend, std::uint8_t> = false;
+}  // namespace ddp
+
+namespace ddp_test_custom_backend {
+
+TEST_CASE("custom backend: opting out of uint8 (supports_dtype_v) keeps barrier, p = 1..3") {
+  static_assert(ddp::backend<no_uint8_backend> && !ddp::supports_dtype_v<no_uint8_backend, std::uint8_t>);
+  for (int p = 1; p <= 3; ++p) {
+    auto store = std::make_shared<ddp::store::hash_store>();
+    run_threads(p, [&](int rank) {
+      ddp::process_group<no_uint8_backend> g(no_uint8_backend(store, rank, p), {.timeout = 30s});
+      g.barrier();
+      std::vector<float> v(3, 1.0f);
+      g.all_reduce(v);
+      check(v[2] == static_cast<float>(p), "all_reduce after a barrier");
+      g.barrier_async().wait();
+      g.barrier();
+      check(g.next_sequence() == 4, "sequence numbers");
+    });
+    CHECK(store->num_keys() == 0);
+  }
+}
+
+}  // namespace ddp_test_custom_backend
