@@ -121,10 +121,16 @@ DDP_COMPILED_INLINE std::shared_ptr<store::store> pg_make_store(const launch_env
     return std::make_shared<store::torch_tcp_store>(env.master_addr, port, timeout,
                                                     "/worker/attempt_" + std::to_string(env.restart_count));
   }
-  // Rank 0 runs the server: a rank that loses the store then names rank 0 (hosted_by).
-  return std::make_shared<store::tcp_store>(store::tcp_store::options{
-      .host = env.master_addr, .port = port, .is_server = rank == 0, .timeout = timeout, .job = env.job_id, .hosted_by = "rank 0",
-      .member = "rank " + std::to_string(rank)});
+  // Rank 0 runs the server, unless the launcher does: a rank that loses the store then names
+  // its host (hosted_by).
+  const bool launcher = env.store_served_by_launcher;
+  return std::make_shared<store::tcp_store>(store::tcp_store::options{.host = env.master_addr,
+                                                                      .port = port,
+                                                                      .is_server = rank == 0 && !launcher,
+                                                                      .timeout = timeout,
+                                                                      .job = env.job_id,
+                                                                      .hosted_by = launcher ? "the launcher" : "rank 0",
+                                                                      .member = "rank " + std::to_string(rank)});
 }
 #else
 std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank, std::chrono::milliseconds timeout);

@@ -26,8 +26,7 @@
 //    A failure with nothing else to say is its one line, e.g.
 //      ddprun: rank 1 (local 1, pid 1234) exited with code 3
 //    Why the settle period: the ranks notice a peer's death themselves, and a SIGTERM at the
-//    first failure would stop them before they say why, and stop the store host (rank 0)
-//    before it is reaped when its peers noticed its failure first;
+//    first failure would stop them before they say why;
 //  - when a worker ends, whatever is left in its process group is killed (no orphans).
 // The result's exit_code is 0 when every worker exited 0, else the root cause's code
 // (128 + signal for a signal), or 128 + the signal that stopped the launcher.
@@ -40,9 +39,13 @@
 // PR_SET_PDEATHSIG fires when the thread that forked exits, which is why spawn() must not
 // run on a thread that ends before the job does.
 //
-// Ports: standalone (or master_port == 0) picks a free loopback port by binding port 0 and
-// closing it. Between that and the store's bind another process could take the port; the
-// store then says "address in use", and a restart picks a new one.
+// The store: on one node the launcher serves the job's store itself (DDP_STORE_SERVER=launcher;
+// every rank is its client), bound before any worker starts: standalone (or master_port == 0)
+// on a port the kernel picks, so no other process can take it in between. It outlives every
+// rank, and when a worker ends first the launcher tells it so: every rank waiting on the store,
+// in rendezvous say, fails at once naming that rank (store/detail/server_core.hpp,
+// "Departures"), even one that died before it reached the store. On several nodes rank 0
+// serves it, and standalone / master_port == 0 picks a free port by binding port 0 and closing it.
 //
 // Tokens: a single-node job gets a fresh random DDP_STORE_TOKEN (32 hex digits from
 // /dev/urandom) unless one is already set; a multi-node job needs the same token on every
@@ -331,8 +334,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   const int nproc = options.nproc_per_node;
   const int world = nproc * options.nnodes;
   result.master_addr = options.standalone || options.master_addr.empty() ? "127.0.0.1" : options.master_addr;
-  result.master_port = options.standalone || options.master_port == 0 ? detail::pick_free_port(result.master_addr)
-                                                                      : options.master_port;
+  const bool any_port = options.standalone || options.master_port == 0;
   std::string token = options.store_token;
   if (token.empty()) {
     if (const char* t = std::getenv("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') token = t;
@@ -345,10 +347,35 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
 
   const std::string job_id = options.job_id.empty() ? detail::launcher_job_id(options.nnodes) : options.job_id;
 
+  // Before the store's thread starts, so that it inherits the blocked signals.
+  detail::signal_scope signals;
+  // On one node the launcher serves the job's store: it outlives any rank (rank 0's death does
+  // not take it away), it is bound before any rank starts (no other process can take the port
+  // in between), and the launcher tells it which rank ended (see report_departure below).
+  // A given port that is taken leaves the store to rank 0, as on several nodes: its error names
+  // the port's holder, and a job whose programs need no store still runs.
+  std::unique_ptr<store::tcp_store_server> store_server;
+  if (options.nnodes == 1 && world > 1) {
+    try {
+      store_server = std::make_unique<store::tcp_store_server>(store::tcp_store_server::options{
+          .host = result.master_addr,
+          .port = static_cast<std::uint16_t>(any_port ? 0 : options.master_port),
+          .token = token.empty() ? std::optional<std::string>() : std::optional<std::string>(token),
+          .log = [&options](const std::string& line) { detail::log_line(options, "store: " + line); },
+          .job = job_id,
+          .linger = std::chrono::milliseconds(0)});  // it stops after every worker has ended
+    } catch (const error& e) {
+      if (any_port || e.code() != errc::config) throw;
+    }
+  }
+  if (store_server) result.master_port = store_server->port();
+  else result.master_port = any_port ? detail::pick_free_port(result.master_addr) : options.master_port;
+
   // Everything the children need is built before fork: after it they only make system calls.
   std::vector<std::string> names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDP_STORE_TOKEN", "DDP_JOB_ID"};
+                                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDP_STORE_TOKEN", "DDP_JOB_ID",
+                                    "DDP_STORE_SERVER"};
   for (const auto& [k, v] : options.env) names.push_back(k);
   const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
   if (set_omp) names.push_back("OMP_NUM_THREADS");
@@ -378,6 +405,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts));
     if (!token.empty()) set("DDP_STORE_TOKEN", token);
     if (!job_id.empty()) set("DDP_JOB_ID", job_id);
+    if (store_server) set("DDP_STORE_SERVER", "launcher");
     if (set_omp) set("OMP_NUM_THREADS", "1");
     for (const auto& [k, v] : options.env) set(k, v);
   }
@@ -391,7 +419,6 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   std::vector<std::vector<char*>> c_envs;
   for (const auto& e : envs) c_envs.push_back(c_array(e));
 
-  detail::signal_scope signals;
   const pid_t parent = ::getpid();
   result.workers.resize(static_cast<std::size_t>(nproc));
   std::vector<detail::output_pipe> outputs;
@@ -488,7 +515,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   // before it reached the store (store/detail/server_core.hpp, "Departures"). Bounded: the
   // store's host may be the one that ended.
   const auto report_departure = [&](const worker_status& w) {
-    if (w.rank == 0 || world < 2) return;
+    if ((w.rank == 0 && !store_server) || world < 2) return;
     try {
       store::tcp_store st({.host = result.master_addr, .port = static_cast<std::uint16_t>(result.master_port),
                            .timeout = std::chrono::milliseconds(300),
@@ -498,6 +525,9 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     } catch (const std::exception&) {  // the store is a courtesy channel: the summary still names the cause
     }
   };
+  bool reported = false;
+  deadline report_at = deadline::never();
+  constexpr auto report_delay = std::chrono::milliseconds(50);
   // Records each worker that has ended. The first failure starts the settle period (the root
   // cause is chosen when all have ended); its end, or a settle period of 0, stops the others.
   const auto reap = [&] {
@@ -515,11 +545,15 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       else if (WIFEXITED(status)) w.exit_code = WEXITSTATUS(status);
       ::kill(-w.pid, SIGKILL);  // what it left behind in its group
       if (!w.ok() && !w.stopped && result.failed < 0) result.failed = static_cast<int>(i);
-      // Of the failures reaped together, a death by signal is likelier the cause than an exit.
-      if (none_failed_before && !w.ok() && !w.stopped && w.signal != 0 && result.workers[static_cast<std::size_t>(result.failed)].signal == 0)
-        result.failed = static_cast<int>(i);
+      // A death by signal is told at once; an exit with an error code may be a rank that saw
+      // such a death before the launcher reaped it, so it is told only if no death by signal
+      // follows within report_delay.
+      if (!reported && !w.ok() && !w.stopped && w.signal != 0) {
+        report_departure(w);
+        reported = true;
+      }
     }
-    if (none_failed_before && result.failed >= 0) report_departure(result.workers[static_cast<std::size_t>(result.failed)]);
+    if (none_failed_before && result.failed >= 0 && !reported) report_at = deadline::after(report_delay);
     if (result.failed >= 0 && !stopping && settle_until.is_never()) {
       if (options.settle_period.count() == 0) begin_stop(SIGTERM);
       else settle_until = deadline::after(options.settle_period);
@@ -528,6 +562,10 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   deadline drain_until = deadline::never();
   while (true) {
     reap();
+    if (!reported && report_at.expired()) {
+      report_departure(result.workers[static_cast<std::size_t>(result.failed)]);
+      reported = true;
+    }
     std::size_t open = 0;
     for (const auto& o : outputs) open += o.fd ? 1 : 0;
     if (live == 0 && open == 0) break;
@@ -564,7 +602,9 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       }
     }
     const deadline wake = live > 0 ? (stopping ? kill_at : settle_until) : drain_until;
-    const int ready = ::poll(fds.data(), fds.size(), wake.poll_timeout_ms());
+    int timeout_ms = wake.poll_timeout_ms();
+    if (!reported && !report_at.is_never()) timeout_ms = timeout_ms < 0 ? report_at.poll_timeout_ms() : std::min(timeout_ms, report_at.poll_timeout_ms());
+    const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
     if (ready <= 0) continue;
     if (fds[0].revents != 0) {

@@ -404,17 +404,31 @@ class ring_backend {
 
   // A lost peer or an abort that the heartbeat explains fails with the heartbeat's verdict: the
   // silent rank, its host and what was seen, rather than the neighbour whose connection closed.
+  // Over shared memory a peer seen exited may have exited because another rank died: the store
+  // knows which (a departure), or is gone with its host, the likelier cause then.
   [[gnu::cold]] [[gnu::noinline]] void explain(const error& e) const {
-    if (!s_->monitor || (e.code() != errc::peer_lost && e.code() != errc::timeout)) return;
-    // A deadline is the collective's own verdict: take the heartbeat's only when it is in.
-    std::optional<std::string> verdict;
-    if (e.code() == errc::timeout) {
-      std::lock_guard lock(s_->liveness->mutex);
-      verdict = s_->liveness->verdict;
-    } else {
-      verdict = s_->liveness->verdict_after_suspicion();
+    if (e.code() != errc::peer_lost && e.code() != errc::timeout) return;
+    if (s_->monitor) {
+      // A deadline is the collective's own verdict: take the heartbeat's only when it is in.
+      std::optional<std::string> verdict;
+      if (e.code() == errc::timeout) {
+        std::lock_guard lock(s_->liveness->mutex);
+        verdict = s_->liveness->verdict;
+      } else {
+        verdict = s_->liveness->verdict_after_suspicion();
+      }
+      if (verdict) throw error(errc::peer_lost, *verdict, e.context());
     }
-    if (verdict) throw error(errc::peer_lost, *verdict, e.context());
+    if (e.code() == errc::peer_lost && !s_->tcp && s_->failure_store) {
+      std::string news;
+      try {
+        s_->failure_store->wait({"ddp/departure-probe"}, std::chrono::milliseconds(0));  // a key nobody sets
+      } catch (const error& x) {
+        if (x.code() == errc::peer_lost || x.code() == errc::store) news = x.message();
+      } catch (...) {
+      }
+      if (!news.empty()) throw error(errc::peer_lost, news + " (and " + e.message() + ")", e.context());
+    }
   }
 
   void start_heartbeat(deadline setup) {

@@ -365,6 +365,10 @@ class launch_environment {
   /// (TORCHELASTIC_USE_AGENT_STORE=True): ranks join it as its clients, with their keys under
   /// "/worker/attempt_<restart_count>", instead of rank 0 serving ddp's own store there.
   bool use_agent_store = false;
+  /// The launcher serves ddp's store at MASTER_ADDR:MASTER_PORT (DDP_STORE_SERVER=launcher, what
+  /// ddprun sets on one node): every rank is its client, so the store outlives any rank, and the
+  /// launcher tells it which rank ended (store/detail/server_core.hpp, "Departures").
+  bool store_served_by_launcher = false;
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: which attempt of an elastic job this is
   launch_origins origin;
 
@@ -401,7 +405,9 @@ class launch_environment {
     row("master_addr", master_addr, origin.master_addr);
     row("master_port", std::to_string(master_port), origin.master_port);
     row("store", use_agent_store ? "torchrun agent's TCPStore, keys under /worker/attempt_" + std::to_string(restart_count)
-                                 : std::string(world_size > 1 ? "ddp tcp_store served by rank 0" : "none (world of one)"),
+                 : world_size <= 1        ? std::string("none (world of one)")
+                 : store_served_by_launcher ? std::string("ddp tcp_store served by the launcher")
+                                          : std::string("ddp tcp_store served by rank 0"),
         origin.store);
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%g s", static_cast<double>(timeout.count()) / 1000.0);
@@ -889,6 +895,12 @@ inline launch_environment launch_environment::read_environment(const env_lookup&
   if (const char* t = get("DDP_TIMEOUT")) {
     env.timeout = detail::parse_timeout(t);
     env.origin.timeout = "DDP_TIMEOUT";
+  }
+  if (const char* server = get("DDP_STORE_SERVER")) {
+    const std::string_view v = server;
+    if (v != "launcher" && v != "rank0") detail::config_error("DDP_STORE_SERVER='" + std::string(v) + "' is not 'launcher' or 'rank0'");
+    env.store_served_by_launcher = v == "launcher";
+    env.origin.store = "DDP_STORE_SERVER";
   }
   if (env.source_ == launch_source::torchrun) {
     if (const char* agent = get("TORCHELASTIC_USE_AGENT_STORE")) {

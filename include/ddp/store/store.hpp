@@ -90,6 +90,19 @@ inline std::int64_t parse_counter(std::span<const std::byte> value, const std::s
 /// Waits for one key per rank (`key_of(r)` for every r but `self`); on a timeout, throws
 /// errc::timeout naming the ranks whose keys are still missing and what they did not publish
 /// (`what`, e.g. "their heartbeat address"), with this rank in the context.
+/// What the store has heard of a rank that died (tcp_store's departures, e.g. "rank 2 left the
+/// job without a word: ..."), else empty. For failure paths that see a peer gone and must tell
+/// the rank that died from one that exited because of it. One round trip; never throws.
+inline std::string departure_news(store& st) noexcept {
+  try {
+    st.wait({"ddp/departure-probe"}, std::chrono::milliseconds(0));  // a key nobody sets
+  } catch (const error& e) {
+    if (e.code() == errc::peer_lost) return e.message();
+  } catch (...) {
+  }
+  return {};
+}
+
 template <class KeyOf>
 void wait_for_ranks(store& st, int size, int self, KeyOf&& key_of, std::chrono::milliseconds timeout, std::string_view what) {
   std::vector<std::string> keys;

@@ -643,8 +643,16 @@ class tcp_transport {
       std::vector<pollfd> p;
       p.push_back({listener.get(), POLLIN, 0});
       for (auto& w : waiting) p.push_back({w.fd.get(), POLLIN, 0});
-      const int rc = ::poll(p.data(), p.size(), dl.poll_timeout_ms());
+      // In slices: a rank that died before connecting is a departure the store has heard of.
+      constexpr int slice_ms = 100;
+      const int left_ms = dl.poll_timeout_ms();
+      const int rc = ::poll(p.data(), p.size(), left_ms < 0 ? slice_ms : std::min(left_ms, slice_ms));
       if (rc < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
+      if (rc == 0 && !dl.expired()) {
+        if (auto news = ddp::store::departure_news(store); !news.empty())
+          throw error(errc::peer_lost, news + " (while building the tcp mesh)", {.rank = rank});
+        continue;
+      }
       if (rc == 0 || dl.expired()) {
         std::string who;
         for (int r = rank + 1; r < size; ++r)

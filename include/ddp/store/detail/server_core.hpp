@@ -545,8 +545,7 @@ class server_core {
   void depart(const std::string& member, const std::string& what) {
     if (std::find(departed_.begin(), departed_.end(), member) != departed_.end()) return;
     departed_.push_back(member);
-    if (departures_.empty()) departures_ = what;
-    if (opts_.log) opts_.log(what);
+    if (departures_.empty()) departures_ = what;  // not logged: the ranks that wait say it, and the launcher
     const auto message = departure_message();
     for (auto& w : waiters_) {
       respond(w.conn, status::departed, message);

@@ -134,7 +134,14 @@ class shm_group {
                                       "': shared memory needs every rank of the group on one host");
       }
       auto& seg = segments_[static_cast<std::size_t>(r)];
-      seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer rank " + std::to_string(r));
+      try {
+        seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer rank " + std::to_string(r));
+      } catch (const error& e) {
+        // That peer may have exited because another rank died: the store knows which one.
+        if (e.code() != errc::peer_lost) throw;
+        if (auto news = ddp::store::departure_news(st); !news.empty()) throw error(errc::peer_lost, news + " (and " + e.message() + ")");
+        throw;
+      }
       const auto* id = identity_of(seg.data());
       if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
         throw error(errc::internal, "shared-memory segment " + seg.name() + " does not belong to rank " + std::to_string(r));
@@ -407,8 +414,10 @@ class shm_group {
         if (e.code() != errc::timeout) throw error(e.code(), "shared-memory setup: " + e.message(), e.context());
       }
       if (const auto dead = watch_.first_dead()) {
-        throw error(errc::peer_lost, "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
-                                         ") exited during shared-memory setup, while this rank waited for it to " + what);
+        const std::string seen = "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
+                                 ") exited during shared-memory setup, while this rank waited for it to " + what;
+        if (auto news = ddp::store::departure_news(st); !news.empty()) throw error(errc::peer_lost, news + " (and " + seen + ")");
+        throw error(errc::peer_lost, seen);
       }
       if (dl.expired()) {
         look();
