@@ -318,7 +318,10 @@ if [ "$mode" = requeue ]; then
   grep -qE '(^|[[:space:]])ExitCode=0:0([[:space:]]|$)' <<< "$info" || fail "job $job_id: $(grep -oE 'ExitCode=[^ ]+' <<< "$info"), not ExitCode=0:0"
   grep -qE '(^|[[:space:]])Restarts=1([[:space:]]|$)' <<< "$info" || fail "job $job_id: $(grep -oE 'Restarts=[^ ]+' <<< "$info"), not Restarts=1"
   # The story, in order: run 1, the forwarded signal, the agreed save of step 25, the requeue,
-  # run 2 resuming from step 25 (epoch 2, batch 9 done), and the epoch lines around it.
+  # run 2 resuming from step 25 (epoch 2, batch 9 done), and the epoch lines around it. Within
+  # run 2, srun copies the ranks' stderr (the resume line) and stdout (the epoch lines) as two
+  # streams, so the resume line is only checked to follow the start of run 2.
+  line_of() { grep -nE -- "$1" "$output_file" | head -1 | cut -d: -f1; }
   want=(
     "^train_ddp_requeue.sbatch: job $job_id, run 1,"
     "^Epoch 1: "
@@ -326,17 +329,20 @@ if [ "$mode" = requeue ]; then
     "^train_ddp: preempted: saved checkpoint $ckpt/step-000000025; exiting with 75"
     "^train_ddp_requeue.sbatch: preempted, checkpoint saved: scontrol requeue $job_id"
     "^train_ddp_requeue.sbatch: job $job_id, run 2,"
-    "^train_ddp: resumed from checkpoint $ckpt/step-000000025 \(step 25: epoch 2, batch 9\)"
     "^Epoch 2: "
     "^Epoch 3: "
   )
   at=0
   for w in "${want[@]}"; do
-    n=$(grep -nE -- "$w" "$output_file" | head -1 | cut -d: -f1)
+    n=$(line_of "$w")
     [ -n "$n" ] || fail "no line matching '$w' in $output_file"
     [ "$n" -gt "$at" ] || fail "the line matching '$w' (line $n) comes before an earlier event (line $at)"
     at=$n
   done
+  run2=$(line_of "^train_ddp_requeue.sbatch: job $job_id, run 2,")
+  resumed=$(line_of "^train_ddp: resumed from checkpoint $ckpt/step-000000025 \(step 25: epoch 2, batch 9\)")
+  [ -n "$resumed" ] || fail "no resume line from step 25 in $output_file"
+  [ "$resumed" -gt "$run2" ] || fail "the resume line (line $resumed) comes before run 2 starts (line $run2)"
   epochs=$(grep -E '^Epoch ' "$output_file")
   [ "$epochs" = "$expected" ] || { echo "PyTorch printed:"; echo "$expected"; fail "the epoch lines of both runs differ from PyTorch's (W2_real_torchrun_gloo)"; }
   echo "the three epoch lines of both runs equal PyTorch's (W2_real_torchrun_gloo in $golden)"
