@@ -610,8 +610,20 @@ class tcp_transport {
       const std::string who = "rank " + std::to_string(j) + " at " + addr.str();
       detail::tcp::unique_fd fd;
       try {
-        fd = detail::tcp::connect_before(addr, dl);
+        // In slices: between them, the store may already know that rank j died.
+        while (true) {
+          const auto slice = deadline::after(std::min(dl.remaining(), std::chrono::milliseconds(100)));
+          try {
+            fd = detail::tcp::connect_before(addr, slice);
+            break;
+          } catch (const error& e) {
+            if (e.code() != errc::timeout || dl.expired()) throw;
+            if (auto news = ddp::store::departure_news(store); !news.empty())
+              throw error(errc::peer_lost, news + " (while building the tcp mesh)", {.rank = rank});
+          }
+        }
       } catch (const error& e) {  // it published its address, so it was listening: it has gone since
+        if (e.code() == errc::peer_lost && e.rank() == rank) throw;
         throw error(e.code(), who + " published its address but could not be reached: " + e.message() + ": rank " + std::to_string(j) +
                                   " exited or hung?", {.rank = rank});
       }
