@@ -12,10 +12,12 @@
 #include <vector>
 
 #include "../../examples/custom_backend/store_backend.hpp"
+#include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "support/multiprocess.hpp"
+#include "support/threads.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -27,22 +29,7 @@ using group_t = ddp::process_group<example::store_backend>;
 
 namespace {
 
-template <class F>
-void run_threads(int n, F fn) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using ddp::test::run_threads;
 
 template <class T>
 void collectives(group_t& g) {
@@ -154,7 +141,7 @@ inline constexpr bool supports_dtype_v<ddp_test_custom_backend::no_uint8_backend
 
 namespace ddp_test_custom_backend {
 
-TEST_CASE("custom backend: opting out of uint8 (supports_dtype_v) keeps barrier, p = 1..3") {
+TEST_CASE("custom backend: opting out of uint8 (supports_dtype_v) keeps barrier, through process_group and ddp::group, p = 1..3") {
   static_assert(ddp::backend<no_uint8_backend> && !ddp::supports_dtype_v<no_uint8_backend, std::uint8_t>);
   for (int p = 1; p <= 3; ++p) {
     auto store = std::make_shared<ddp::store::hash_store>();
@@ -167,6 +154,10 @@ TEST_CASE("custom backend: opting out of uint8 (supports_dtype_v) keeps barrier,
       g.barrier_async().wait();
       g.barrier();
       check(g.next_sequence() == 4, "sequence numbers");
+      ddp::group erased(std::move(g));  // and through the run-time group
+      erased.barrier();
+      erased.barrier_async().wait();
+      check(erased.next_sequence() == 6, "sequence numbers through ddp::group");
     });
     CHECK(store->num_keys() == 0);
   }

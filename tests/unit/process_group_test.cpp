@@ -19,6 +19,7 @@
 
 #include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
+#include "support/threads.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -200,24 +201,7 @@ static_assert(ddp::backend<local_backend<true>>);
 static_assert(ddp::detail::pg_enforces_deadlines<local_backend<true>>);
 static_assert(!ddp::detail::pg_enforces_deadlines<local_backend<false>>);
 
-// Runs fn(rank) on n threads; rethrows the first exception (Catch macros stay on this thread).
-template <class F>
-void run_threads(int n, F fn) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using ddp::test::run_threads;
 
 void check(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error("check failed: " + what);

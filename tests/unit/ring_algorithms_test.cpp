@@ -25,6 +25,7 @@
 #include "ddp/store/hash_store.hpp"
 #include "ddp/transport/tcp.hpp"
 #include "support/sizes.hpp"
+#include "support/threads.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -36,23 +37,7 @@ using comm_t = ddp::algo::ring_communicator<ddp::tcp_transport&>;
 
 namespace {
 
-template <class F>
-void run_threads(int p, F fn) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(p));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < p; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using ddp::test::run_threads;
 
 // --- inputs and references -----------------------------------------------------------------
 

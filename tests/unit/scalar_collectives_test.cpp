@@ -14,6 +14,7 @@
 #include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/hash_store.hpp"
+#include "support/threads.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -24,22 +25,7 @@ using group_t = ddp::process_group<example::store_backend>;
 
 namespace {
 
-template <class F>
-void run_threads(int n, F fn) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using ddp::test::run_threads;
 
 template <class T>
 T to(double v) {

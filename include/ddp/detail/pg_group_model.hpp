@@ -110,6 +110,11 @@ class pg_group_model final : public pg_group_interface {
   void copy_memory(void* dst, const void* src, std::size_t bytes) override { group_.copy_memory(dst, src, bytes); }
 
   work call(const pg_erased_call& c, bool async) override {
+    if (c.op == collective::barrier) {  // moves no elements: whatever dtypes the backend supports
+      if (async) return group_.barrier_async();
+      group_.barrier();
+      return {};
+    }
     return pg_visit_dtype(c.type, [&](auto tag) -> work {
       using T = typename decltype(tag)::type;
       if constexpr (!supports_dtype_v<B, T>) {
