@@ -233,14 +233,20 @@ struct output_pipe {
   }
 };
 
-/// Whether a worker's error line reports another rank's failure rather than a cause of its own.
-inline bool is_consequence(std::string_view line) {
+/// What the launcher tells the job's store of a worker that ended: the other ranks' errors quote it.
+inline std::string departure_text(const worker_status& w, std::string_view launcher) {
+  return w.describe() + ", as " + std::string(launcher) + " saw";
+}
+
+/// Whether a worker's error line reports another rank's failure rather than a cause of its own
+/// (`launcher`: the launcher's name, whose departure_text such a line may quote).
+inline bool is_consequence(std::string_view line, std::string_view launcher) {
   for (std::string_view s : {"peer rank ", "closed the connection", "reset the connection", "was aborted",
                              "aborted the communicator", "unusable after an earlier failure", "noticed by rank",
-                             "left the job without a word", " saw"}) {
+                             "left the job without a word"}) {
     if (line.find(s) != std::string_view::npos) return true;
   }
-  return false;
+  return line.find(", as " + std::string(launcher) + " saw") != std::string_view::npos;
 }
 
 }  // namespace detail
@@ -292,7 +298,7 @@ inline void summarize(const launch_options& o, launch_result& result, const std:
   // Ordered by the time each was reaped, not by when its line was printed: a line printed long
   // before the failure (progress on stderr) would otherwise look like the earliest failure.
   const auto own_failure = [&](const worker_status& w) { return w.ended && !w.ok() && !w.stopped && !w.exec_failed; };
-  const auto cause_of_its_own = [](const worker_status& w) { return w.signal != 0 || !is_consequence(w.last_error); };
+  const auto cause_of_its_own = [&o](const worker_status& w) { return w.signal != 0 || !is_consequence(w.last_error, o.name); };
   int root = -1, earliest = -1;
   for (std::size_t i = 0; i < result.workers.size(); ++i) {
     const auto& w = result.workers[i];
@@ -347,6 +353,8 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
 
   const std::string job_id = options.job_id.empty() ? detail::launcher_job_id(options.nnodes) : options.job_id;
 
+  // The store's token as the launcher's server and client use it; nullopt: derived as the ranks do.
+  const auto store_token = token.empty() ? std::optional<std::string>() : std::optional<std::string>(token);
   // Before the store's thread starts, so that it inherits the blocked signals.
   detail::signal_scope signals;
   // On one node the launcher serves the job's store: it outlives any rank (rank 0's death does
@@ -360,7 +368,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
       store_server = std::make_unique<store::tcp_store_server>(store::tcp_store_server::options{
           .host = result.master_addr,
           .port = static_cast<std::uint16_t>(any_port ? 0 : options.master_port),
-          .token = token.empty() ? std::optional<std::string>() : std::optional<std::string>(token),
+          .token = store_token,
           .log = [&options](const std::string& line) { detail::log_line(options, "store: " + line); },
           .job = job_id,
           .linger = std::chrono::milliseconds(0)});  // it stops after every worker has ended
@@ -519,9 +527,9 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
     try {
       store::tcp_store st({.host = result.master_addr, .port = static_cast<std::uint16_t>(result.master_port),
                            .timeout = std::chrono::milliseconds(300),
-                           .token = token.empty() ? std::optional<std::string>() : std::optional<std::string>(token),
+                           .token = store_token,
                            .job = job_id});
-      st.report_departure("rank " + std::to_string(w.rank), w.describe() + ", as " + options.name + " saw");
+      st.report_departure("rank " + std::to_string(w.rank), detail::departure_text(w, options.name));
     } catch (const std::exception&) {  // the store is a courtesy channel: the summary still names the cause
     }
   };

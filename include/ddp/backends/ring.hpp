@@ -420,14 +420,8 @@ class ring_backend {
       if (verdict) throw error(errc::peer_lost, *verdict, e.context());
     }
     if (e.code() == errc::peer_lost && !s_->tcp && s_->failure_store) {
-      std::string news;
-      try {
-        s_->failure_store->wait({"ddp/departure-probe"}, std::chrono::milliseconds(0));  // a key nobody sets
-      } catch (const error& x) {
-        if (x.code() == errc::peer_lost || x.code() == errc::store) news = x.message();
-      } catch (...) {
-      }
-      if (!news.empty()) throw error(errc::peer_lost, news + " (and " + e.message() + ")", e.context());
+      if (const auto trouble = store::store_trouble(*s_->failure_store))
+        throw error(errc::peer_lost, trouble->message() + " (and " + e.message() + ")", e.context());
     }
   }
 

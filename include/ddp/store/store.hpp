@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -87,22 +88,30 @@ inline std::int64_t parse_counter(std::span<const std::byte> value, const std::s
   return n;
 }
 
+/// What the store says when asked, without waiting, for a key nobody sets: errc::peer_lost with
+/// the news when it has heard of a rank that died (tcp_store's departures, e.g. "rank 2 left the
+/// job without a word: ..."), errc::store when it is gone with its host; nullopt otherwise. For
+/// failure paths that see a peer gone and must tell the rank that died from one that exited
+/// because of it. One round trip; never throws.
+inline std::optional<error> store_trouble(store& st) noexcept {
+  try {
+    st.wait({"ddp/departure-probe"}, std::chrono::milliseconds(0));
+  } catch (const error& e) {
+    if (e.code() == errc::peer_lost || e.code() == errc::store) return e;
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+/// store_trouble's news of a rank that died, else empty.
+inline std::string departure_news(store& st) noexcept {
+  const auto trouble = store_trouble(st);
+  return trouble && trouble->code() == errc::peer_lost ? trouble->message() : std::string();
+}
+
 /// Waits for one key per rank (`key_of(r)` for every r but `self`); on a timeout, throws
 /// errc::timeout naming the ranks whose keys are still missing and what they did not publish
 /// (`what`, e.g. "their heartbeat address"), with this rank in the context.
-/// What the store has heard of a rank that died (tcp_store's departures, e.g. "rank 2 left the
-/// job without a word: ..."), else empty. For failure paths that see a peer gone and must tell
-/// the rank that died from one that exited because of it. One round trip; never throws.
-inline std::string departure_news(store& st) noexcept {
-  try {
-    st.wait({"ddp/departure-probe"}, std::chrono::milliseconds(0));  // a key nobody sets
-  } catch (const error& e) {
-    if (e.code() == errc::peer_lost) return e.message();
-  } catch (...) {
-  }
-  return {};
-}
-
 template <class KeyOf>
 void wait_for_ranks(store& st, int size, int self, KeyOf&& key_of, std::chrono::milliseconds timeout, std::string_view what) {
   std::vector<std::string> keys;

@@ -261,7 +261,7 @@ class tcp_store_server {
         // After a departure a rank may still be on its way (started late): it is given a short
         // quiet spell to connect and hear who died, instead of finding no store.
         const bool quiet = core_->departed().empty() || clock::now() >= last_open_ + quiet_spell;
-        if ((core_->num_members_present() == 0 && quiet) || linger_until->expired()) break;
+        if ((core_->num_awaited() == 0 && quiet) || linger_until->expired()) break;
       }
       pfds.clear();
       ids.clear();

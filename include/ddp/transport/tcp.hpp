@@ -581,6 +581,12 @@ class tcp_transport {
     s_->address = me.str();
     const detail::tcp::nonce my_nonce = detail::tcp::random_nonce();
     auto key = [&](int r) { return prefix + "/tcp/addr/" + std::to_string(r); };
+    // The waits for peers below look at the store's departures this often.
+    constexpr std::chrono::milliseconds departure_check_every{100};
+    auto throw_if_departed = [&] {
+      if (auto news = ddp::store::departure_news(store); !news.empty())
+        throw error(errc::peer_lost, news + " (while building the tcp mesh)", {.rank = rank});
+    };
     store.set_string(key(rank), me.str() + " " + detail::tcp::to_hex(my_nonce));
 
     auto published = [&](int r, detail::tcp::host_port& addr, detail::tcp::nonce& n) {
@@ -609,23 +615,17 @@ class tcp_transport {
       published(j, addr, theirs);
       const std::string who = "rank " + std::to_string(j) + " at " + addr.str();
       detail::tcp::unique_fd fd;
-      try {
-        // In slices: between them, the store may already know that rank j died.
-        while (true) {
-          const auto slice = deadline::after(std::min(dl.remaining(), std::chrono::milliseconds(100)));
-          try {
-            fd = detail::tcp::connect_before(addr, slice);
-            break;
-          } catch (const error& e) {
-            if (e.code() != errc::timeout || dl.expired()) throw;
-            if (auto news = ddp::store::departure_news(store); !news.empty())
-              throw error(errc::peer_lost, news + " (while building the tcp mesh)", {.rank = rank});
+      while (!fd) {  // in slices: between them, the store may already know that rank j died
+        try {
+          fd = detail::tcp::connect_before(addr, deadline::after(std::min(dl.remaining(), departure_check_every)));
+        } catch (const error& e) {  // it published its address, so it was listening: it has gone since
+          if (e.code() != errc::timeout || dl.expired()) {
+            throw error(e.code(), who + " published its address but could not be reached: " + e.message() + ": rank " +
+                                      std::to_string(j) + " exited or hung?",
+                        {.rank = rank});
           }
+          throw_if_departed();
         }
-      } catch (const error& e) {  // it published its address, so it was listening: it has gone since
-        if (e.code() == errc::peer_lost && e.rank() == rank) throw;
-        throw error(e.code(), who + " published its address but could not be reached: " + e.message() + ": rank " + std::to_string(j) +
-                                  " exited or hung?", {.rank = rank});
       }
       const auto out = detail::tcp::hello{1, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), theirs, prefix_hash}.encode();
       detail::tcp::write_all(fd.get(), out.data(), out.size(), dl, who);
@@ -656,13 +656,12 @@ class tcp_transport {
       p.push_back({listener.get(), POLLIN, 0});
       for (auto& w : waiting) p.push_back({w.fd.get(), POLLIN, 0});
       // In slices: a rank that died before connecting is a departure the store has heard of.
-      constexpr int slice_ms = 100;
+      const int slice_ms = static_cast<int>(departure_check_every.count());
       const int left_ms = dl.poll_timeout_ms();
       const int rc = ::poll(p.data(), p.size(), left_ms < 0 ? slice_ms : std::min(left_ms, slice_ms));
       if (rc < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
       if (rc == 0 && !dl.expired()) {
-        if (auto news = ddp::store::departure_news(store); !news.empty())
-          throw error(errc::peer_lost, news + " (while building the tcp mesh)", {.rank = rank});
+        throw_if_departed();
         continue;
       }
       if (rc == 0 || dl.expired()) {

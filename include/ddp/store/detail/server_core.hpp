@@ -205,7 +205,7 @@ class server_core {
   /// Connections that may still need the store: every open one but those whose member left
   /// and anonymous clients past their handshake (what a stopping server waits for: tcp_store.hpp).
   /// A connection in its handshake counts: it may be a rank about to become a member.
-  std::size_t num_members_present() const noexcept {
+  std::size_t num_awaited() const noexcept {
     return static_cast<std::size_t>(std::count_if(conns_.begin(), conns_.end(), [](const auto& kv) {
       const connection& c = kv.second;
       return c.state != phase::closing && !c.left && (c.state != phase::ready || !c.member.empty());

@@ -137,10 +137,8 @@ class shm_group {
       try {
         seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer rank " + std::to_string(r));
       } catch (const error& e) {
-        // That peer may have exited because another rank died: the store knows which one.
         if (e.code() != errc::peer_lost) throw;
-        if (auto news = ddp::store::departure_news(st); !news.empty()) throw error(errc::peer_lost, news + " (and " + e.message() + ")");
-        throw;
+        peer_exited(st, e.message());
       }
       const auto* id = identity_of(seg.data());
       if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
@@ -364,6 +362,13 @@ class shm_group {
     std::terminate();
   }
 
+  /// errc::peer_lost for a peer seen exited (`seen`), which may have exited because another rank
+  /// died: the store's news of that one comes first.
+  [[noreturn]] static void peer_exited(ddp::store::store& st, const std::string& seen) {
+    if (auto news = ddp::store::departure_news(st); !news.empty()) throw error(errc::peer_lost, news + " (and " + seen + ")");
+    throw error(errc::peer_lost, seen);
+  }
+
   /// A set-up wait for keys[i], published by rank owners[i]. It waits in short slices and between
   /// them looks at the peers it watches (known after 'ready'): one that exited ends the wait at
   /// once. Failures name the ranks whose keys are missing, not the keys.
@@ -414,10 +419,8 @@ class shm_group {
         if (e.code() != errc::timeout) throw error(e.code(), "shared-memory setup: " + e.message(), e.context());
       }
       if (const auto dead = watch_.first_dead()) {
-        const std::string seen = "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
-                                 ") exited during shared-memory setup, while this rank waited for it to " + what;
-        if (auto news = ddp::store::departure_news(st); !news.empty()) throw error(errc::peer_lost, news + " (and " + seen + ")");
-        throw error(errc::peer_lost, seen);
+        peer_exited(st, "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
+                            ") exited during shared-memory setup, while this rank waited for it to " + what);
       }
       if (dl.expired()) {
         look();
