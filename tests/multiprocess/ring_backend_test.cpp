@@ -21,6 +21,7 @@
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 #include "support/sizes.hpp"
+#include "support/element_values.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -59,16 +60,8 @@ double red_in(int r, std::size_t i) { return 1.0 + static_cast<double>((static_c
 // Moving inputs: distinct per rank and element, < 256 so exact in uint8 and bfloat16.
 double mov_in(int r, std::size_t i) { return static_cast<double>((static_cast<std::size_t>(r) * 37 + i * 11) % 251); }
 
-template <class T>
-T to(double v) {
-  if constexpr (ddp::half_precision<T>) return T(static_cast<float>(v));
-  else return static_cast<T>(v);
-}
-template <class T>
-double from(T v) {
-  if constexpr (ddp::half_precision<T>) return static_cast<double>(static_cast<float>(v));
-  else return static_cast<double>(v);
-}
+using ddp::test::from;
+using ddp::test::to;
 
 template <class T>
 double reference(ddp::reduce_kind k, int p, std::size_t i) {

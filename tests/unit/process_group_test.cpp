@@ -20,6 +20,7 @@
 #include "ddp/group.hpp"
 #include "ddp/process_group.hpp"
 #include "support/threads.hpp"
+#include "support/element_values.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -216,16 +217,8 @@ ddp::process_group<local_backend<Extended>> make_group(const std::shared_ptr<loc
 // Value of element i on rank r: small integers, exact in every dtype (uint8 products stay < 256).
 double input(int r, std::size_t i) { return static_cast<double>((r + 1) + static_cast<int>(i % 3)); }
 
-template <class T>
-T to(double v) {
-  if constexpr (ddp::half_precision<T>) return T(static_cast<float>(v));
-  else return static_cast<T>(v);
-}
-template <class T>
-double from(T v) {
-  if constexpr (ddp::half_precision<T>) return static_cast<double>(static_cast<float>(v));
-  else return static_cast<double>(v);
-}
+using ddp::test::from;
+using ddp::test::to;
 
 double reference(ddp::reduce_kind k, int p, std::size_t i, bool integral) {
   double acc = input(0, i);

@@ -15,6 +15,7 @@
 #include "ddp/process_group.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "support/threads.hpp"
+#include "support/element_values.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
@@ -27,16 +28,8 @@ namespace {
 
 using ddp::test::run_threads;
 
-template <class T>
-T to(double v) {
-  if constexpr (ddp::half_precision<T>) return T(static_cast<float>(v));
-  else return static_cast<T>(v);
-}
-template <class T>
-double from(T v) {
-  if constexpr (ddp::half_precision<T>) return static_cast<double>(static_cast<float>(v));
-  else return static_cast<double>(v);
-}
+using ddp::test::from;
+using ddp::test::to;
 
 // Rank r's contribution: r + 2 (the product over 4 ranks, 120, fits uint8; every sum and mean
 // is exact in float16).
