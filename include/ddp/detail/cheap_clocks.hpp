@@ -20,8 +20,9 @@
 #include <tuple>
 #include <utility>
 
+// The compiler's builtin rather than <x86intrin.h>'s __rdtsc: that header declares every x86
+// intrinsic, a large part of what any file that includes process_group.hpp parses.
 #if defined(__x86_64__) || defined(__i386__)
-#include <x86intrin.h>
 #define DDP_HAVE_TSC 1
 #else
 #define DDP_HAVE_TSC 0
@@ -39,7 +40,7 @@ class tick_clock {
 
   static ticks now() noexcept {
 #if DDP_HAVE_TSC
-    if (origin().tsc) return __rdtsc();
+    if (origin().tsc) return __builtin_ia32_rdtsc();
 #endif
     return steady_ticks();
   }
@@ -69,9 +70,9 @@ class tick_clock {
     std::uint64_t best_gap = ~std::uint64_t{0};
 #if DDP_HAVE_TSC
     for (int i = 0; i < 3; ++i) {
-      const std::uint64_t before = __rdtsc();
+      const std::uint64_t before = __builtin_ia32_rdtsc();
       const std::uint64_t steady = steady_ticks();
-      const std::uint64_t after = __rdtsc();
+      const std::uint64_t after = __builtin_ia32_rdtsc();
       if (after - before < best_gap) {
         best_gap = after - before;
         best = {before + (after - before) / 2, steady};
