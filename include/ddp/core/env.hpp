@@ -90,38 +90,31 @@
 // The lookup is injectable so that tests (and tools) can describe an environment as a table
 // without touching the real one.
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <algorithm>
+#include <cstdio>
+#include <initializer_list>
+#include <utility>
+#endif
 
 namespace ddp {
 
 /// DDP_HEARTBEAT_TIMEOUT (seconds; 0 turns the heartbeat off) or 5 s: a ring backend fails once
 /// a peer has sent no heartbeat for this long (transport/detail/heartbeat.hpp). A malformed value
 /// is a ddp::error naming the variable.
-inline std::chrono::milliseconds default_heartbeat_timeout() {
-  const char* text = std::getenv("DDP_HEARTBEAT_TIMEOUT");
-  if (text == nullptr || *text == '\0') return std::chrono::seconds(5);
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(seconds >= 0) || seconds > 1e9) {
-    throw error(errc::config, std::string("DDP_HEARTBEAT_TIMEOUT='") + text +
-                                  "' is not a number of seconds >= 0 (e.g. DDP_HEARTBEAT_TIMEOUT=5; 0 turns the heartbeat off)");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-}
+std::chrono::milliseconds default_heartbeat_timeout();
 
 /// Which launcher's variables a launch_environment came from (see the top of this header).
 enum class launch_source : std::uint8_t { none, torchrun, openmpi, pmi, slurm, flux, pals, lsf };
@@ -145,7 +138,7 @@ using env_lookup = std::function<const char*(const char*)>;
 
 namespace detail {
 
-[[noreturn]] inline void config_error(std::string message) { throw error(errc::config, std::move(message)); }
+[[noreturn]] void config_error(std::string message);
 
 inline bool all_digits(std::string_view s) noexcept {
   if (s.empty()) return false;
@@ -165,7 +158,122 @@ inline std::optional<std::int64_t> parse_int64(std::string_view s) noexcept {
 }
 
 /// The variable `name`, which must hold an integer >= `min_value`; `example` is a valid value.
-inline int env_int(std::string_view name, const char* text, int min_value, std::string_view example) {
+int env_int(std::string_view name, const char* text, int min_value, std::string_view example);
+
+int parse_port(std::string_view name, const char* text);
+
+/// Whether a master address names this host only (127.x.x.x, ::1, localhost).
+inline bool is_loopback(std::string_view addr) noexcept {
+  return addr == "localhost" || addr == "::1" || addr == "[::1]" || addr.substr(0, 4) == "127.";
+}
+
+/// The default port of a job with an identity (see the top of this header): 20000 + n % 20000,
+/// n = JOB + 7919 x STEP for an id "<launcher>:JOB" or "<launcher>:JOB.STEP" of digits, else an
+/// FNV-1a hash of the whole id.
+int port_from_job_id(std::string_view job_id) noexcept;
+
+/// Slurm's tasks-per-node syntax, "2(x3),1" -> {2, 2, 2, 1}.
+std::vector<int> expand_tasks_per_node(std::string_view name, std::string_view text);
+
+}  // namespace detail
+
+/// Expands a Slurm host list: "node[01-03,7],gpu5" -> node01 node02 node03 node7 gpu5.
+/// Zero padding follows the lower bound ("[08-10]" -> 08 09 10); several bracket groups in one
+/// name give every combination ("a[1-2]-b[3,5]" -> a1-b3 a1-b5 a2-b3 a2-b5). Malformed lists
+/// (unbalanced or nested brackets, empty names or ranges, a range that runs backwards) are a
+/// ddp::error(errc::config) quoting the list.
+std::vector<std::string> expand_nodelist(std::string_view list);
+
+/// Where each value of a launch_environment came from: a variable name, "default",
+/// "derived (...)" or, with local_layout_from_rendezvous, "derived at rendezvous (...)".
+struct launch_origins {
+  std::string source = "default";  // why this source: the variable that chose it, and the rule
+  std::string rank = "default";
+  std::string world_size = "default";
+  std::string local_rank = "default";
+  std::string local_world_size = "default";
+  std::string node_rank = "default";
+  std::string num_nodes = "default";
+  std::string master_addr = "default";
+  std::string master_port = "default";
+  std::string timeout = "default";
+  std::string job_id = "default";
+  std::string store = "default";
+};
+
+/// The origin of the local layout's values that init_process_group works out at rendezvous.
+inline constexpr std::string_view rendezvous_origin = "derived at rendezvous (ranks sharing a host)";
+
+/// This process's rank, world and rendezvous address, and where each value came from.
+class launch_environment {
+ public:
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;        // rank among the processes on this node
+  int local_world_size = 1;  // processes on this node
+  int node_rank = 0;         // GROUP_RANK in torchrun's terms
+  int num_nodes = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  /// The job's identity, the same on every rank, e.g. "slurm:1234.0"; "" when none.
+  std::string job_id;
+  /// The environment does not say which ranks share a host (torchrun's RANK and WORLD_SIZE alone
+  /// with a master address that is not loopback, as in Kubeflow's PyTorchJob): the values whose
+  /// origin is rendezvous_origin (local_rank 0, local_world_size 1, node_rank = rank,
+  /// num_nodes = world_size) are provisional, to be derived at rendezvous from the ranks that
+  /// share a host.
+  bool local_layout_from_rendezvous = false;
+  /// torchrun's elastic agent already serves a PyTorch TCPStore at MASTER_ADDR:MASTER_PORT
+  /// (TORCHELASTIC_USE_AGENT_STORE=True): ranks join it as its clients, with their keys under
+  /// "/worker/attempt_<restart_count>", instead of rank 0 serving ddp's own store there.
+  bool use_agent_store = false;
+  /// The launcher serves ddp's store at MASTER_ADDR:MASTER_PORT (DDP_STORE_SERVER=launcher, what
+  /// ddprun sets on one node): every rank is its client, so the store outlives any rank, and the
+  /// launcher tells it which rank ended (store/detail/server_core.hpp, "Departures").
+  bool store_served_by_launcher = false;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: which attempt of an elastic job this is
+  launch_origins origin;
+
+  launch_source source() const noexcept { return source_; }
+  /// With local_layout_from_rendezvous, from the provisional values: true when world_size > 1.
+  bool multi_node() const noexcept { return num_nodes > 1 || world_size > local_world_size; }
+
+  /// Reads and checks the environment (see the precedence at the top of this header).
+  static launch_environment from_environment(const env_lookup& lookup = ::getenv);
+
+  /// A table of value <- origin, one line each, e.g. "  rank              1   <- RANK"; the
+  /// launcher that was recognised and why, the job id, and "(provisional)" after the values
+  /// that are derived at rendezvous.
+  std::string describe() const;
+
+ private:
+  /// from_environment(), where a multi-node job without a master address is an error only with
+  /// require_master_addr (off when reading an enclosing launcher's layout).
+  static launch_environment read_environment(const env_lookup& lookup, bool require_master_addr);
+
+  launch_source source_ = launch_source::none;
+};
+
+// Reading the environment is compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE std::chrono::milliseconds default_heartbeat_timeout() {
+  const char* text = std::getenv("DDP_HEARTBEAT_TIMEOUT");
+  if (text == nullptr || *text == '\0') return std::chrono::seconds(5);
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(seconds >= 0) || seconds > 1e9) {
+    throw error(errc::config, std::string("DDP_HEARTBEAT_TIMEOUT='") + text +
+                                  "' is not a number of seconds >= 0 (e.g. DDP_HEARTBEAT_TIMEOUT=5; 0 turns the heartbeat off)");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+
+namespace detail {
+
+[[noreturn]] DDP_COMPILED_INLINE void config_error(std::string message) { throw error(errc::config, std::move(message)); }
+
+DDP_COMPILED_INLINE int env_int(std::string_view name, const char* text, int min_value, std::string_view example) {
   const std::string expected = std::string(min_value > 0 ? "a positive integer" : "a non-negative integer") +
                                ", e.g. " + std::string(name) + "=" + std::string(example);
   const auto v = parse_int64(text);
@@ -177,22 +285,14 @@ inline int env_int(std::string_view name, const char* text, int min_value, std::
   return static_cast<int>(*v);
 }
 
-inline int parse_port(std::string_view name, const char* text) {
+DDP_COMPILED_INLINE int parse_port(std::string_view name, const char* text) {
   const auto v = parse_int64(text);
   if (!v) config_error(std::string(name) + "='" + text + "' is not a port number (expected an integer 1-65535, e.g. " + std::string(name) + "=29500)");
   if (*v < 1 || *v > 65535) config_error(std::string(name) + "=" + text + " is out of range (expected 1-65535)");
   return static_cast<int>(*v);
 }
 
-/// Whether a master address names this host only (127.x.x.x, ::1, localhost).
-inline bool is_loopback(std::string_view addr) noexcept {
-  return addr == "localhost" || addr == "::1" || addr == "[::1]" || addr.substr(0, 4) == "127.";
-}
-
-/// The default port of a job with an identity (see the top of this header): 20000 + n % 20000,
-/// n = JOB + 7919 x STEP for an id "<launcher>:JOB" or "<launcher>:JOB.STEP" of digits, else an
-/// FNV-1a hash of the whole id.
-inline int port_from_job_id(std::string_view job_id) noexcept {
+DDP_COMPILED_INLINE int port_from_job_id(std::string_view job_id) noexcept {
   constexpr std::uint64_t range = 20000;
   std::string_view id = job_id;
   if (const auto colon = id.find(':'); colon != std::string_view::npos) id.remove_prefix(colon + 1);
@@ -209,8 +309,7 @@ inline int port_from_job_id(std::string_view job_id) noexcept {
   return static_cast<int>(range + n % range);
 }
 
-/// Slurm's tasks-per-node syntax, "2(x3),1" -> {2, 2, 2, 1}.
-inline std::vector<int> expand_tasks_per_node(std::string_view name, std::string_view text) {
+DDP_COMPILED_INLINE std::vector<int> expand_tasks_per_node(std::string_view name, std::string_view text) {
   const auto bad = [&](std::string_view why) -> std::vector<int> {
     config_error(std::string(name) + "='" + std::string(text) + "' " + std::string(why) +
                  " (expected counts like '4' or '2(x3),1')");
@@ -241,12 +340,7 @@ inline std::vector<int> expand_tasks_per_node(std::string_view name, std::string
 
 }  // namespace detail
 
-/// Expands a Slurm host list: "node[01-03,7],gpu5" -> node01 node02 node03 node7 gpu5.
-/// Zero padding follows the lower bound ("[08-10]" -> 08 09 10); several bracket groups in one
-/// name give every combination ("a[1-2]-b[3,5]" -> a1-b3 a1-b5 a2-b3 a2-b5). Malformed lists
-/// (unbalanced or nested brackets, empty names or ranges, a range that runs backwards) are a
-/// ddp::error(errc::config) quoting the list.
-inline std::vector<std::string> expand_nodelist(std::string_view list) {
+DDP_COMPILED_INLINE std::vector<std::string> expand_nodelist(std::string_view list) {
   constexpr std::size_t max_hosts = 1'000'000;
   const auto bad = [&](std::string_view why) -> std::vector<std::string> {
     detail::config_error("node list '" + std::string(list) + "' " + std::string(why) +
@@ -321,113 +415,44 @@ inline std::vector<std::string> expand_nodelist(std::string_view list) {
   return hosts;
 }
 
-/// Where each value of a launch_environment came from: a variable name, "default",
-/// "derived (...)" or, with local_layout_from_rendezvous, "derived at rendezvous (...)".
-struct launch_origins {
-  std::string source = "default";  // why this source: the variable that chose it, and the rule
-  std::string rank = "default";
-  std::string world_size = "default";
-  std::string local_rank = "default";
-  std::string local_world_size = "default";
-  std::string node_rank = "default";
-  std::string num_nodes = "default";
-  std::string master_addr = "default";
-  std::string master_port = "default";
-  std::string timeout = "default";
-  std::string job_id = "default";
-  std::string store = "default";
-};
+DDP_COMPILED_INLINE std::string launch_environment::describe() const {
+  std::string out = "launch environment (source: " + std::string(to_string(source_)) + ")\n";
+  const auto row = [&out](std::string_view name, const std::string& value, const std::string& from) {
+    std::string line = "  " + std::string(name);
+    line.resize(20, ' ');
+    line += value;
+    if (line.size() < 40) line.resize(40, ' ');
+    out += line + " <- " + from + "\n";
+  };
+  const auto layout = [this](int value, const std::string& from) {
+    return std::to_string(value) + (local_layout_from_rendezvous && from == rendezvous_origin ? " (provisional)" : "");
+  };
+  row("source", std::string(to_string(source_)), origin.source);
+  row("job", job_id.empty() ? "(none)" : job_id, origin.job_id);
+  row("rank", std::to_string(rank), origin.rank);
+  row("world_size", std::to_string(world_size), origin.world_size);
+  row("local_rank", layout(local_rank, origin.local_rank), origin.local_rank);
+  row("local_world_size", layout(local_world_size, origin.local_world_size), origin.local_world_size);
+  row("node_rank", layout(node_rank, origin.node_rank), origin.node_rank);
+  row("num_nodes", layout(num_nodes, origin.num_nodes), origin.num_nodes);
+  row("master_addr", master_addr, origin.master_addr);
+  row("master_port", std::to_string(master_port), origin.master_port);
+  row("store", use_agent_store ? "torchrun agent's TCPStore, keys under /worker/attempt_" + std::to_string(restart_count)
+               : world_size <= 1        ? std::string("none (world of one)")
+               : store_served_by_launcher ? std::string("ddp tcp_store served by the launcher")
+                                        : std::string("ddp tcp_store served by rank 0"),
+      origin.store);
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%g s", static_cast<double>(timeout.count()) / 1000.0);
+  row("timeout", seconds, origin.timeout);
+  return out;
+}
 
-/// The origin of the local layout's values that init_process_group works out at rendezvous.
-inline constexpr std::string_view rendezvous_origin = "derived at rendezvous (ranks sharing a host)";
-
-/// This process's rank, world and rendezvous address, and where each value came from.
-class launch_environment {
- public:
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;        // rank among the processes on this node
-  int local_world_size = 1;  // processes on this node
-  int node_rank = 0;         // GROUP_RANK in torchrun's terms
-  int num_nodes = 1;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);
-  /// The job's identity, the same on every rank, e.g. "slurm:1234.0"; "" when none.
-  std::string job_id;
-  /// The environment does not say which ranks share a host (torchrun's RANK and WORLD_SIZE alone
-  /// with a master address that is not loopback, as in Kubeflow's PyTorchJob): the values whose
-  /// origin is rendezvous_origin (local_rank 0, local_world_size 1, node_rank = rank,
-  /// num_nodes = world_size) are provisional, to be derived at rendezvous from the ranks that
-  /// share a host.
-  bool local_layout_from_rendezvous = false;
-  /// torchrun's elastic agent already serves a PyTorch TCPStore at MASTER_ADDR:MASTER_PORT
-  /// (TORCHELASTIC_USE_AGENT_STORE=True): ranks join it as its clients, with their keys under
-  /// "/worker/attempt_<restart_count>", instead of rank 0 serving ddp's own store there.
-  bool use_agent_store = false;
-  /// The launcher serves ddp's store at MASTER_ADDR:MASTER_PORT (DDP_STORE_SERVER=launcher, what
-  /// ddprun sets on one node): every rank is its client, so the store outlives any rank, and the
-  /// launcher tells it which rank ended (store/detail/server_core.hpp, "Departures").
-  bool store_served_by_launcher = false;
-  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: which attempt of an elastic job this is
-  launch_origins origin;
-
-  launch_source source() const noexcept { return source_; }
-  /// With local_layout_from_rendezvous, from the provisional values: true when world_size > 1.
-  bool multi_node() const noexcept { return num_nodes > 1 || world_size > local_world_size; }
-
-  /// Reads and checks the environment (see the precedence at the top of this header).
-  static launch_environment from_environment(const env_lookup& lookup = ::getenv);
-
-  /// A table of value <- origin, one line each, e.g. "  rank              1   <- RANK"; the
-  /// launcher that was recognised and why, the job id, and "(provisional)" after the values
-  /// that are derived at rendezvous.
-  std::string describe() const {
-    std::string out = "launch environment (source: " + std::string(to_string(source_)) + ")\n";
-    const auto row = [&out](std::string_view name, const std::string& value, const std::string& from) {
-      std::string line = "  " + std::string(name);
-      line.resize(20, ' ');
-      line += value;
-      if (line.size() < 40) line.resize(40, ' ');
-      out += line + " <- " + from + "\n";
-    };
-    const auto layout = [this](int value, const std::string& from) {
-      return std::to_string(value) + (local_layout_from_rendezvous && from == rendezvous_origin ? " (provisional)" : "");
-    };
-    row("source", std::string(to_string(source_)), origin.source);
-    row("job", job_id.empty() ? "(none)" : job_id, origin.job_id);
-    row("rank", std::to_string(rank), origin.rank);
-    row("world_size", std::to_string(world_size), origin.world_size);
-    row("local_rank", layout(local_rank, origin.local_rank), origin.local_rank);
-    row("local_world_size", layout(local_world_size, origin.local_world_size), origin.local_world_size);
-    row("node_rank", layout(node_rank, origin.node_rank), origin.node_rank);
-    row("num_nodes", layout(num_nodes, origin.num_nodes), origin.num_nodes);
-    row("master_addr", master_addr, origin.master_addr);
-    row("master_port", std::to_string(master_port), origin.master_port);
-    row("store", use_agent_store ? "torchrun agent's TCPStore, keys under /worker/attempt_" + std::to_string(restart_count)
-                 : world_size <= 1        ? std::string("none (world of one)")
-                 : store_served_by_launcher ? std::string("ddp tcp_store served by the launcher")
-                                          : std::string("ddp tcp_store served by rank 0"),
-        origin.store);
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%g s", static_cast<double>(timeout.count()) / 1000.0);
-    row("timeout", seconds, origin.timeout);
-    return out;
-  }
-
- private:
-  /// from_environment(), where a multi-node job without a master address is an error only with
-  /// require_master_addr (off when reading an enclosing launcher's layout).
-  static launch_environment read_environment(const env_lookup& lookup, bool require_master_addr);
-
-  launch_source source_ = launch_source::none;
-};
-
-inline launch_environment launch_environment::from_environment(const env_lookup& lookup) {
+DDP_COMPILED_INLINE launch_environment launch_environment::from_environment(const env_lookup& lookup) {
   return read_environment(lookup, true);
 }
 
-inline launch_environment launch_environment::read_environment(const env_lookup& lookup, bool require_master_addr) {
+DDP_COMPILED_INLINE launch_environment launch_environment::read_environment(const env_lookup& lookup, bool require_master_addr) {
   // Empty values count as unset, like an unset variable in a shell script.
   const auto get = [&lookup](const char* name) -> const char* {
     const char* v = lookup ? lookup(name) : nullptr;
@@ -918,5 +943,7 @@ inline launch_environment launch_environment::read_environment(const env_lookup&
   }
   return env;
 }
+
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp
