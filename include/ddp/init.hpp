@@ -25,29 +25,30 @@
 // Every rank calls init_process_group the same number of times in the same order: each call
 // uses its own store key prefix ("<prefix>/<n>"), so calls never read each other's keys.
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include "ddp/core/compiled.hpp"
 #include "ddp/core/deadline.hpp"
-#include "ddp/core/descriptor_limit.hpp"
 #include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/host.hpp"
 #include "ddp/group.hpp"
 #include "ddp/store/store.hpp"
 #if !DDP_DECLARATIONS_ONLY
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "ddp/backends/ring.hpp"
+#include "ddp/core/descriptor_limit.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/tcp_store.hpp"
 #include "ddp/store/torch_tcp_store.hpp"
@@ -84,6 +85,27 @@ struct backend_requirements {
 
 namespace detail {
 
+/// Local rank, local world size, node rank and node count from the host identities of all
+/// ranks, for launchers that give only RANK and WORLD_SIZE: nodes are numbered in the order of
+/// their lowest rank, ranks within a node by global rank.
+void pg_derive_local_layout(launch_environment& env, store::store& st, const std::string& prefix, int rank, int world_size,
+                            const std::string& identity = host_identity());
+
+}  // namespace detail
+
+/// Makes `name` available to init_process_group (replacing an earlier factory of that name).
+/// Returns true, so a header can register with `inline const bool registered = ddp::register_backend(...)`.
+bool register_backend(std::string name, backend_factory factory, backend_requirements requirements = {});
+
+/// The registered backend names, sorted.
+std::vector<std::string> registered_backends();
+
+group init_process_group(std::string_view backend = "ring", init_options opts = {});
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp), with the registry.
+#if !DDP_DECLARATIONS_ONLY
+namespace detail {
+
 struct pg_registry {
   pg_registry();  // with the built-in backends
   std::mutex mutex;
@@ -98,7 +120,6 @@ struct pg_registry {
 // The built-in backends' factories instantiate the ring backend for every dtype and reduction:
 // most of what a program that calls init_process_group compiles. With the compiled library
 // (DDP_COMPILED, target ddp::ddp_compiled) they are compiled once, in src/ddp_compiled.cpp.
-#if !DDP_DECLARATIONS_ONLY
 inline group pg_make_ring(const backend_context& c, ring_options::transport_kind transport) {
   ring_options o;
   o.transport = transport;
@@ -132,15 +153,9 @@ DDP_COMPILED_INLINE std::shared_ptr<store::store> pg_make_store(const launch_env
                                                                       .hosted_by = launcher ? "the launcher" : "rank 0",
                                                                       .member = "rank " + std::to_string(rank)});
 }
-#else
-std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank, std::chrono::milliseconds timeout);
-#endif
 
-/// Local rank, local world size, node rank and node count from the host identities of all
-/// ranks, for launchers that give only RANK and WORLD_SIZE: nodes are numbered in the order of
-/// their lowest rank, ranks within a node by global rank.
-inline void pg_derive_local_layout(launch_environment& env, store::store& st, const std::string& prefix, int rank,
-                                   int world_size, const std::string& identity = host_identity()) {
+DDP_COMPILED_INLINE void pg_derive_local_layout(launch_environment& env, store::store& st, const std::string& prefix, int rank,
+                                                int world_size, const std::string& identity) {
   const std::string key = prefix + "/layout/host/";
   st.set_string(key + std::to_string(rank), identity);
   std::vector<std::string> keys;
@@ -176,17 +191,14 @@ inline pg_registry& pg_backends() {
 
 }  // namespace detail
 
-/// Makes `name` available to init_process_group (replacing an earlier factory of that name).
-/// Returns true, so a header can register with `inline const bool registered = ddp::register_backend(...)`.
-inline bool register_backend(std::string name, backend_factory factory, backend_requirements requirements = {}) {
+DDP_COMPILED_INLINE bool register_backend(std::string name, backend_factory factory, backend_requirements requirements) {
   auto& r = detail::pg_backends();
   std::lock_guard lock(r.mutex);
   r.factories[std::move(name)] = {std::move(factory), requirements};
   return true;
 }
 
-/// The registered backend names, sorted.
-inline std::vector<std::string> registered_backends() {
+DDP_COMPILED_INLINE std::vector<std::string> registered_backends() {
   auto& r = detail::pg_backends();
   std::lock_guard lock(r.mutex);
   std::vector<std::string> names;
@@ -194,7 +206,7 @@ inline std::vector<std::string> registered_backends() {
   return names;
 }
 
-inline group init_process_group(std::string_view backend = "ring", init_options opts = {}) {
+DDP_COMPILED_INLINE group init_process_group(std::string_view backend, init_options opts) {
   backend_factory factory;
   backend_requirements requirements;
   std::uint64_t call = 0;
@@ -254,5 +266,6 @@ inline group init_process_group(std::string_view backend = "ring", init_options 
   c.options = std::move(opts);
   return factory(c);
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp

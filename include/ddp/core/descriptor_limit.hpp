@@ -4,19 +4,30 @@
 // Run out halfway and accept()/socket() fail with EMFILE long after the cause, on some ranks
 // only; checked first, the job either raises its soft limit or stops at once with one line.
 
-#include <dirent.h>
-#include <sys/resource.h>
-
 #include <cstddef>
 #include <string>
 #include <string_view>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/error.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <dirent.h>
+#include <sys/resource.h>
+#endif
 
 namespace ddp {
 
 /// Descriptors this process has open now.
-inline std::size_t open_descriptors() noexcept {
+std::size_t open_descriptors() noexcept;
+
+/// Makes sure this process may open `needed` more descriptors (for `what`, e.g. "a rendezvous of
+/// 64 ranks"): raises the soft RLIMIT_NOFILE toward the hard one when that is enough, as Go's
+/// runtime does at start, else throws errc::config naming the limit, the need and the fix.
+void ensure_descriptors(std::size_t needed, std::string_view what, int rank = -1);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE std::size_t open_descriptors() noexcept {
   std::size_t n = 0;
   if (DIR* d = ::opendir("/proc/self/fd")) {
     while (dirent* e = ::readdir(d))
@@ -27,10 +38,7 @@ inline std::size_t open_descriptors() noexcept {
   return 0;
 }
 
-/// Makes sure this process may open `needed` more descriptors (for `what`, e.g. "a rendezvous of
-/// 64 ranks"): raises the soft RLIMIT_NOFILE toward the hard one when that is enough, as Go's
-/// runtime does at start, else throws errc::config naming the limit, the need and the fix.
-inline void ensure_descriptors(std::size_t needed, std::string_view what, int rank = -1) {
+DDP_COMPILED_INLINE void ensure_descriptors(std::size_t needed, std::string_view what, int rank) {
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
   const std::size_t want = open_descriptors() + needed;
@@ -47,5 +55,6 @@ inline void ensure_descriptors(std::size_t needed, std::string_view what, int ra
                   "): raise it with `ulimit -n " + std::to_string(want) + "` (or LimitNOFILE / the scheduler's limit) before starting the job",
               {.rank = rank});
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp

@@ -16,6 +16,8 @@
 #include <system_error>
 #include <utility>
 
+#include "ddp/core/compiled.hpp"
+
 namespace ddp {
 
 enum class errc {
@@ -95,19 +97,7 @@ class error : public std::runtime_error {
   error with_context(error_context context) const { return error(code_, message_, std::move(context)); }
 
  private:
-  static std::string format(errc code, const std::string& message, const error_context& c) {
-    (void)code;
-    std::string out = "ddp: ";
-    if (c.rank >= 0) out += "rank " + std::to_string(c.rank) + ": ";
-    if (!c.op.empty()) {
-      out += c.op;
-      if (c.seq) out += " #" + std::to_string(*c.seq);
-      if (!c.detail.empty()) out += " (" + c.detail + ")";
-      out += ": ";
-    }
-    out += message;
-    return out;
-  }
+  static std::string format(errc code, const std::string& message, const error_context& c);
 
   errc code_;
   std::string message_;
@@ -115,7 +105,25 @@ class error : public std::runtime_error {
 };
 
 /// "what failed: strerror(errno)" for a failed POSIX call; `err` defaults to errno.
-inline std::string system_message(std::string_view what, int err = errno) {
+std::string system_message(std::string_view what, int err = errno);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp): every throw site calls these.
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE std::string error::format(errc code, const std::string& message, const error_context& c) {
+  (void)code;
+  std::string out = "ddp: ";
+  if (c.rank >= 0) out += "rank " + std::to_string(c.rank) + ": ";
+  if (!c.op.empty()) {
+    out += c.op;
+    if (c.seq) out += " #" + std::to_string(*c.seq);
+    if (!c.detail.empty()) out += " (" + c.detail + ")";
+    out += ": ";
+  }
+  out += message;
+  return out;
+}
+
+DDP_COMPILED_INLINE std::string system_message(std::string_view what, int err) {
   std::string out(what);
   out += ": ";
   out += std::strerror(err);
@@ -124,6 +132,7 @@ inline std::string system_message(std::string_view what, int err = errno) {
   out += ")";
   return out;
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp
 

@@ -1,6 +1,10 @@
 #pragma once
 // Which host a process runs on, and the address it reaches other hosts from.
 
+#include <string>
+
+#include "ddp/core/compiled.hpp"
+#if !DDP_DECLARATIONS_ONLY
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -9,7 +13,7 @@
 #include <unistd.h>
 
 #include <fstream>
-#include <string>
+#endif
 
 namespace ddp {
 
@@ -19,7 +23,18 @@ namespace ddp {
 /// share a kernel but not a network. The last two are probes of what is really shared:
 /// containers with host networking (same hostname, same kernel) but a private /dev/shm mount
 /// or a private PID namespace differ there, and must talk over TCP.
-inline std::string host_identity() {
+std::string host_identity();
+
+/// The part of a host_identity() that names the machine: "hostname boot-id".
+std::string machine_of(const std::string& identity);
+
+/// The local IPv4 address this host uses to reach `remote_host` (a name or an address), found
+/// by connecting a UDP socket (no packet is sent); empty when there is no route.
+std::string local_address_towards(const std::string& remote_host);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE std::string host_identity() {
   char host[256] = {};
   if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
   std::string boot;
@@ -38,17 +53,14 @@ inline std::string host_identity() {
   return id;
 }
 
-/// The part of a host_identity() that names the machine: "hostname boot-id".
-inline std::string machine_of(const std::string& identity) {
+DDP_COMPILED_INLINE std::string machine_of(const std::string& identity) {
   const auto first = identity.find(' ');
   if (first == std::string::npos) return identity;
   const auto second = identity.find(' ', first + 1);
   return identity.substr(0, second);
 }
 
-/// The local IPv4 address this host uses to reach `remote_host` (a name or an address), found
-/// by connecting a UDP socket (no packet is sent); empty when there is no route.
-inline std::string local_address_towards(const std::string& remote_host) {
+DDP_COMPILED_INLINE std::string local_address_towards(const std::string& remote_host) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_DGRAM;
@@ -69,5 +81,6 @@ inline std::string local_address_towards(const std::string& remote_host) {
   ::freeaddrinfo(found);
   return result;
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp
