@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/error.hpp"
 
 namespace ddp {
@@ -63,7 +64,16 @@ class deadline {
 
 namespace detail {
 /// DDP_TIMEOUT's rules applied to a given text (also used by launch_env with an injected lookup).
-inline std::chrono::milliseconds parse_timeout(const char* text) {
+std::chrono::milliseconds parse_timeout(const char* text);
+}  // namespace detail
+
+/// DDP_TIMEOUT (seconds) or 300 s. A malformed value is a ddp::error naming the variable.
+std::chrono::milliseconds default_timeout();
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+namespace detail {
+DDP_COMPILED_INLINE std::chrono::milliseconds parse_timeout(const char* text) {
   char* end = nullptr;
   const double seconds = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
@@ -73,11 +83,11 @@ inline std::chrono::milliseconds parse_timeout(const char* text) {
 }
 }  // namespace detail
 
-/// DDP_TIMEOUT (seconds) or 300 s. A malformed value is a ddp::error naming the variable.
-inline std::chrono::milliseconds default_timeout() {
+DDP_COMPILED_INLINE std::chrono::milliseconds default_timeout() {
   const char* text = std::getenv("DDP_TIMEOUT");
   if (text == nullptr || *text == '\0') return std::chrono::seconds(300);
   return detail::parse_timeout(text);
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp
