@@ -62,31 +62,36 @@
 // With nproc_per_node > 1 and OMP_NUM_THREADS unset, workers get OMP_NUM_THREADS=1, as
 // torchrun does (N workers each using every core would oversubscribe the machine).
 
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ddp/core/compiled.hpp"
+#include "ddp/core/error.hpp"
+#if !DDP_DECLARATIONS_ONLY
 #include <poll.h>
 #include <sched.h>
 #include <sys/prctl.h>
-#include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
-#include <string_view>
 #include <tuple>
-#include <utility>
-#include <vector>
 
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/env.hpp"
-#include "ddp/core/error.hpp"
 #include "ddp/detail/process.hpp"
 #include "ddp/store/tcp_store.hpp"
 
 extern char** environ;  // NOLINT: POSIX
+#endif
 
 namespace ddp {
 
@@ -124,12 +129,7 @@ struct worker_status {
   /// The exit code a shell would report: the code, or 128 + signal.
   int code() const noexcept { return signal != 0 ? 128 + signal : exit_code; }
   /// "rank 1 (local 1, pid 1234) exited with code 3" / "... was killed by signal 9 (Killed)".
-  std::string describe() const {
-    std::string s = "rank " + std::to_string(rank) + " (local " + std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
-    if (signal != 0) s += " was killed by signal " + detail::describe_signal(signal);
-    else s += " exited with code " + std::to_string(exit_code);
-    return s;
-  }
+  std::string describe() const;
 };
 
 struct launch_result {
@@ -144,7 +144,41 @@ struct launch_result {
 };
 
 /// Throws ddp::error(errc::config) naming the option that is wrong.
-inline void validate(const launch_options& o) {
+void validate(const launch_options& o);
+
+/// Starts this node's workers running argv and supervises them until every one has ended.
+/// See the top of this header for the variables, signals and exit code.
+launch_result spawn(const launch_options& options, const std::vector<std::string>& argv);
+
+/// spawn() with one store token for the whole job and up to max_restarts restarts of the
+/// whole worker group after a failure (not after a signal to the launcher).
+launch_result launch(const launch_options& options, const std::vector<std::string>& argv);
+
+/// A parsed launcher command line: options, then the program and its arguments.
+struct launcher_command {
+  launch_options options;
+  std::vector<std::string> program;   // empty with help or info
+  bool help = false;
+  bool info = false;
+  std::vector<std::string> warnings;  // accepted but ignored options
+};
+
+std::string launcher_usage(std::string_view name = "ddprun");
+
+/// Parses torchrun's flags; everything from the first non-option on is the program and its
+/// arguments. A bad flag is a ddp::error(errc::invalid_argument) with one line to show.
+launcher_command parse_launcher_args(const std::vector<std::string>& args);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE std::string worker_status::describe() const {
+  std::string s = "rank " + std::to_string(rank) + " (local " + std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
+  if (signal != 0) s += " was killed by signal " + detail::describe_signal(signal);
+  else s += " exited with code " + std::to_string(exit_code);
+  return s;
+}
+
+DDP_COMPILED_INLINE void validate(const launch_options& o) {
   const auto bad = [](std::string m) { throw error(errc::config, std::move(m)); };
   if (o.nproc_per_node < 1) bad("--nproc-per-node=" + std::to_string(o.nproc_per_node) + " must be at least 1");
   if (o.nnodes < 1) bad("--nnodes=" + std::to_string(o.nnodes) + " must be at least 1");
@@ -251,7 +285,6 @@ inline bool is_consequence(std::string_view line, std::string_view launcher) {
 
 }  // namespace detail
 
-/// Starts this node's workers running argv and supervises them until every one has ended.
 namespace detail {
 
 /// The job identity a launcher hands its workers when none is given (see "Job identity").
@@ -330,8 +363,7 @@ inline void summarize(const launch_options& o, launch_result& result, const std:
 
 }  // namespace detail
 
-/// See the top of this header for the variables, signals and exit code.
-inline launch_result spawn(const launch_options& options, const std::vector<std::string>& argv) {
+DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std::vector<std::string>& argv) {
   validate(options);
   if (argv.empty()) throw error(errc::config, "no program given (usage: ddprun [options] program [args...])");
   const std::string path = detail::find_executable(argv.front());
@@ -649,9 +681,7 @@ inline launch_result spawn(const launch_options& options, const std::vector<std:
   return result;
 }
 
-/// spawn() with one store token for the whole job and up to max_restarts restarts of the
-/// whole worker group after a failure (not after a signal to the launcher).
-inline launch_result launch(const launch_options& options, const std::vector<std::string>& argv) {
+DDP_COMPILED_INLINE launch_result launch(const launch_options& options, const std::vector<std::string>& argv) {
   launch_options o = options;
   validate(o);
   detail::check_not_one_of_many(o);
@@ -670,16 +700,7 @@ inline launch_result launch(const launch_options& options, const std::vector<std
   }
 }
 
-/// A parsed launcher command line: options, then the program and its arguments.
-struct launcher_command {
-  launch_options options;
-  std::vector<std::string> program;   // empty with help or info
-  bool help = false;
-  bool info = false;
-  std::vector<std::string> warnings;  // accepted but ignored options
-};
-
-inline std::string launcher_usage(std::string_view name = "ddprun") {
+DDP_COMPILED_INLINE std::string launcher_usage(std::string_view name) {
   const std::string n(name);
   return "usage: " + n + " [options] program [args...]\n"
          "Starts --nproc-per-node copies of program with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,\n"
@@ -707,9 +728,7 @@ inline std::string launcher_usage(std::string_view name = "ddprun") {
          "Example: " + n + " --standalone --nproc-per-node=2 ./train_ddp --epochs 3\n";
 }
 
-/// Parses torchrun's flags; everything from the first non-option on is the program and its
-/// arguments. A bad flag is a ddp::error(errc::invalid_argument) with one line to show.
-inline launcher_command parse_launcher_args(const std::vector<std::string>& args) {
+DDP_COMPILED_INLINE launcher_command parse_launcher_args(const std::vector<std::string>& args) {
   launcher_command cmd;
   auto& o = cmd.options;
   const auto bad = [](std::string m) { throw error(errc::invalid_argument, std::move(m)); };
@@ -827,5 +846,6 @@ inline launcher_command parse_launcher_args(const std::vector<std::string>& args
   if (cmd.program.empty() && !cmd.info) bad("no program given (usage: ddprun [options] program [args...])");
   return cmd;
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp
