@@ -36,6 +36,7 @@
 
 #include "ddp/core/compiled.hpp"
 #include "ddp/core/deadline.hpp"
+#include "ddp/core/descriptor_limit.hpp"
 #include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/host.hpp"
@@ -48,7 +49,6 @@
 #include <utility>
 
 #include "ddp/backends/ring.hpp"
-#include "ddp/core/descriptor_limit.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/tcp_store.hpp"
 #include "ddp/store/torch_tcp_store.hpp"

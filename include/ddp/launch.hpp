@@ -72,6 +72,8 @@
 #include <vector>
 
 #include "ddp/core/compiled.hpp"
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #if !DDP_DECLARATIONS_ONLY
 #include <poll.h>
@@ -85,8 +87,6 @@
 #include <cstring>
 #include <tuple>
 
-#include "ddp/core/deadline.hpp"
-#include "ddp/core/env.hpp"
 #include "ddp/detail/process.hpp"
 #include "ddp/store/tcp_store.hpp"
 
