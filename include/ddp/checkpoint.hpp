@@ -83,19 +83,11 @@
 // once per job (the rank that creates FILE), also across restarts. Tests interrupt at exact
 // points with it instead of racing a timer.
 
-#include <fcntl.h>
-#include <signal.h>
-#include <unistd.h>
-
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
-#include <iostream>
 #include <list>
 #include <map>
 #include <optional>
@@ -110,10 +102,21 @@
 
 #include "ddp/checkpoint/format.hpp"
 #include "ddp/checkpoint/preemption.hpp"
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/parameters.hpp"
 #include "ddp/random/generator.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#endif
 
 namespace ddp::checkpoint {
 
@@ -151,17 +154,7 @@ inline const device_copy* device_copier = nullptr;
 
 /// Refuses an entry in device memory that cannot be copied. state's own functions check when they
 /// add; save() and load() check again for entries put into state::entries directly.
-inline void check_memory(const entry& e) {
-  if (e.memory != memory_space::device) return;
-  if (e.assign)
-    throw error(errc::invalid_argument, "checkpoint: entry '" + e.name + "' is in device memory, which a resizable entry cannot be",
-                {.op = "checkpoint"});
-  if (device_copier == nullptr)
-    throw error(errc::invalid_argument,
-                "checkpoint: entry '" + e.name + "' is in device memory, and this program is not built with CUDA support for "
-                "checkpoints (the CMake target ddp::nccl, or <ddp/checkpoint/cuda.hpp> and CUDA::cudart)",
-                {.op = "checkpoint"});
-}
+void check_memory(const entry& e);
 }  // namespace detail
 
 /// What a checkpoint holds: named tensors over the caller's memory, the sampler position and
@@ -175,21 +168,7 @@ class state {
 
   /// Every parameter's values (not the gradients), named prefix + its name (or index when it has
   /// none). Host memory, and device memory in the CUDA build (the header comment says how).
-  state& add_parameters(const std::vector<parameter_ref>& params, const std::string& prefix = "model.") {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      if (p.memory == memory_space::device && detail::device_copier == nullptr)
-        throw error(errc::invalid_argument,
-                    "checkpoint: " + describe_parameter(i, p.name) +
-                        " is in device memory, and this program is not built with CUDA support for checkpoints: "
-                        "link the CMake target ddp::nccl (or include <ddp/checkpoint/cuda.hpp> and link "
-                        "CUDA::cudart), or copy it to host first",
-                    {.op = "checkpoint"});
-      push(entry{.name = prefix + (p.name.empty() ? std::to_string(i) : p.name), .type = p.type, .shape = p.shape,
-                 .data = p.value, .where = scope::replicated, .assign = {}, .memory = p.memory});
-    }
-    return *this;
-  }
+  state& add_parameters(const std::vector<parameter_ref>& params, const std::string& prefix = "model.");
   template <parameter_container P>
     requires(!std::same_as<std::remove_cvref_t<P>, std::vector<parameter_ref>>)
   state& add_parameters(P& model, const std::string& prefix = "model.") {
@@ -218,16 +197,9 @@ class state {
   /// Opaque bytes (any RNG's state, a tokenizer's position...): `bytes` is saved as uint8, and on
   /// load `restore` gets the saved bytes.
   state& add_bytes(std::string name, std::vector<std::byte> bytes, std::function<void(std::span<const std::byte>)> restore,
-                   scope where = scope::per_rank) {
-    auto& kept = owned_.emplace_back(std::move(bytes));
-    return push(entry{.name = std::move(name), .type = dtype::uint8, .shape = {static_cast<std::int64_t>(kept.size())},
-                      .data = kept, .where = where, .assign = std::move(restore), .memory = memory_space::host});
-  }
+                   scope where = scope::per_rank);
   /// A torch_generator, as its state bytes (random/generator.hpp's layout).
-  state& add_generator(std::string name, torch_generator& gen, scope where = scope::per_rank) {
-    return add_bytes(std::move(name), to_bytes(gen.state()),
-                     [&gen](std::span<const std::byte> b) { gen.set_state(torch_generator_state_from_bytes(b)); }, where);
-  }
+  state& add_generator(std::string name, torch_generator& gen, scope where = scope::per_rank);
   /// Any standard random engine (std::mt19937, ...), through its text form (operator<< / >>).
   template <class Engine>
     requires requires(std::ostream& os, std::istream& is, Engine& e) {
@@ -247,27 +219,10 @@ class state {
                      where);
   }
 
-  const entry* find(std::string_view name) const noexcept {
-    for (const auto& e : entries)
-      if (e.name == name) return &e;
-    return nullptr;
-  }
+  const entry* find(std::string_view name) const noexcept;
 
  private:
-  state& push(entry e) {
-    if (find(e.name) != nullptr)
-      throw error(errc::invalid_argument, "checkpoint: two entries are named '" + e.name + "'", {.op = "checkpoint"});
-    detail::check_memory(e);
-    std::int64_t numel = 1;
-    for (const auto d : e.shape) numel *= d;
-    if (numel * static_cast<std::int64_t>(size_of(e.type)) != static_cast<std::int64_t>(e.data.size()))
-      throw error(errc::invalid_argument,
-                  "checkpoint: entry '" + e.name + "': shape " + shape_string(e.shape) + " does not match its " +
-                      std::to_string(e.data.size()) + " bytes",
-                  {.op = "checkpoint"});
-    entries.push_back(std::move(e));
-    return *this;
-  }
+  state& push(entry e);
   std::list<std::vector<std::byte>> owned_;  // snapshots of generators; a list keeps them in place
 };
 
@@ -304,69 +259,16 @@ inline constexpr std::string_view index_file = "index.json";
 inline constexpr std::string_view done_file = "DONE";
 
 /// dir/step-000000123 (nine digits, so names sort like steps up to 10^9).
-inline std::filesystem::path step_path(const std::filesystem::path& dir, std::int64_t step) {
-  char b[32];
-  std::snprintf(b, sizeof b, "step-%09lld", static_cast<long long>(step));
-  return dir / b;
-}
+std::filesystem::path step_path(const std::filesystem::path& dir, std::int64_t step);
 
-inline std::string rank_file(int rank) {
-  char b[40];
-  std::snprintf(b, sizeof b, "rank-%05d.safetensors", rank);
-  return b;
-}
+std::string rank_file(int rank);
 
 namespace detail {
 
-inline std::optional<std::int64_t> step_of(const std::filesystem::path& p) {
-  const std::string name = p.filename().string();
-  if (name.size() < 6 || name.compare(0, 5, "step-") != 0) return std::nullopt;
-  for (std::size_t i = 5; i < name.size(); ++i)
-    if (name[i] < '0' || name[i] > '9') return std::nullopt;
-  return std::strtoll(name.c_str() + 5, nullptr, 10);
-}
+std::optional<std::int64_t> step_of(const std::filesystem::path& p);
 
 /// Step directories under dir, newest first.
-inline std::vector<std::pair<std::int64_t, std::filesystem::path>> step_dirs(const std::filesystem::path& dir) {
-  std::vector<std::pair<std::int64_t, std::filesystem::path>> out;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-    if (const auto s = step_of(it->path()); s && it->is_directory(ec)) out.emplace_back(*s, it->path());
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  return out;
-}
-
-struct test_hook {
-  std::string action;  // kill | pause
-  std::int64_t step = -1;
-  int rank = -1;
-  std::string point;  // tmp | done | after
-  std::string once_file;
-};
-
-inline const test_hook& hook() {
-  static const test_hook h = [] {
-    test_hook out;
-    const char* v = std::getenv("DDP_CHECKPOINT_TEST_HOOK");
-    if (v == nullptr) return out;
-    std::vector<std::string> parts(1);
-    for (const char* c = v; *c != '\0'; ++c) {
-      if (*c == ':' && parts.size() < 5)
-        parts.emplace_back();
-      else
-        parts.back() += *c;
-    }
-    if (parts.size() < 4 || (parts[0] != "kill" && parts[0] != "pause")) {
-      std::cerr << "ddp: DDP_CHECKPOINT_TEST_HOOK=" << v << " ignored (expected kill|pause:STEP:RANK:tmp|done|after[:FILE])\n";
-      return out;
-    }
-    out = {.action = parts[0], .step = std::strtoll(parts[1].c_str(), nullptr, 10),
-           .rank = static_cast<int>(std::strtol(parts[2].c_str(), nullptr, 10)), .point = parts[3],
-           .once_file = parts.size() > 4 ? parts[4] : std::string()};
-    return out;
-  }();
-  return h;
-}
+std::vector<std::pair<std::int64_t, std::filesystem::path>> step_dirs(const std::filesystem::path& dir);
 
 // The step save() is writing, for the hook; per thread: tests run ranks as threads.
 inline thread_local std::int64_t saving_step = -1;
@@ -375,30 +277,9 @@ inline thread_local int saving_rank = -1;
 /// The test hook: at `point` of saving its step, the rank kills itself (SIGKILL) or stops until a
 /// test kills it. With FILE, only the first rank that creates FILE acts (once per job, also
 /// across restarts); FILE tells the test that the rank is there.
-inline void test_point(std::string_view point) {
-  const auto& h = hook();
-  if (h.step != saving_step || h.rank != saving_rank || h.point != point) return;
-  if (!h.once_file.empty()) {
-    const int fd = ::open(h.once_file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) return;
-    ::close(fd);
-  }
-  if (h.action == "kill") ::raise(SIGKILL);
-  // Paused until FILE.go exists, a preemption signal arrives (a scheduler's signal reaches every
-  // rank, this one too: the test learns of no delivery it could wait for) or killed. The
-  // launcher's SIGTERM, when a test kills another rank, must still end it, so SIGTERM and SIGINT
-  // take their default action meanwhile.
-  struct sigaction dfl {}, old_term {}, old_int {};
-  dfl.sa_handler = SIG_DFL;
-  ::sigaction(SIGTERM, &dfl, &old_term);
-  ::sigaction(SIGINT, &dfl, &old_int);
-  const std::string go = h.once_file + ".go";
-  for (std::error_code ec; !std::filesystem::exists(go, ec) && ddp::detail::preemption_signal.load() == 0;) ::usleep(1000);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  ::sigaction(SIGINT, &old_int, nullptr);
-}
+void test_point(std::string_view point);
 
-inline void before_rename(const std::filesystem::path&) { test_point("tmp"); }
+void before_rename(const std::filesystem::path&);
 
 /// index.json, parsed and checked for the fields latest() and load() need.
 struct index {
@@ -414,135 +295,23 @@ struct index {
   std::vector<file> files;
 };
 
-inline index read_index(const std::filesystem::path& ckpt) {
-  const auto bytes = read_file(ckpt / index_file);
-  if (!bytes) throw std::invalid_argument("index.json is missing or unreadable");
-  const json j = parse_json(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()));
-  const auto need = [&](const json& obj, std::string_view key) -> const json& {
-    const json* v = obj.find(key);
-    if (v == nullptr) throw std::invalid_argument("index.json has no \"" + std::string(key) + "\"");
-    return *v;
-  };
-  index out;
-  out.step = need(j, "step").as_int();
-  out.world_size = static_cast<int>(need(j, "world_size").as_int());
-  const json& s = need(j, "sampler");
-  out.sampler = {.seed = need(s, "seed").as_int(), .epoch = need(s, "epoch").as_int(),
-                 .batches_done = need(s, "batches_done").as_int()};
-  if (const json* m = j.find("metadata"))
-    for (std::size_t i = 0; i < m->keys.size(); ++i) out.metadata[m->keys[i]] = m->items[i].text;
-  for (const json& f : need(j, "files").items)
-    out.files.push_back({.path = need(f, "path").text, .bytes = static_cast<std::uint64_t>(need(f, "bytes").as_int()),
-                         .crc = static_cast<std::uint32_t>(need(f, "crc32").as_int())});
-  return out;
-}
+index read_index(const std::filesystem::path& ckpt);
 
 /// Empty when the checkpoint is complete and every file matches the index; else why not.
-inline std::string verify(const std::filesystem::path& ckpt, int world_size_expected = -1) {
-  std::error_code ec;
-  if (!std::filesystem::exists(ckpt / done_file, ec)) return "incomplete (no DONE marker)";
-  index idx;
-  try {
-    idx = read_index(ckpt);
-  } catch (const std::exception& e) {
-    return std::string("bad index.json: ") + e.what();
-  }
-  if (world_size_expected > 0 && idx.world_size != world_size_expected)
-    return "saved by " + std::to_string(idx.world_size) + " ranks, this job has " + std::to_string(world_size_expected);
-  for (const auto& f : idx.files) {
-    const auto bytes = read_file(ckpt / f.path);
-    if (!bytes) return f.path + " is missing";
-    if (bytes->size() != f.bytes)
-      return f.path + " has " + std::to_string(bytes->size()) + " bytes, index.json says " + std::to_string(f.bytes);
-    if (const auto crc = crc32(*bytes); crc != f.crc)
-      return f.path + ": checksum mismatch (crc32 " + std::to_string(crc) + ", index.json says " + std::to_string(f.crc) + ")";
-  }
-  return {};
-}
+std::string verify(const std::filesystem::path& ckpt, int world_size_expected = -1);
 
-inline void prune(const std::filesystem::path& dir, int keep) {
-  int complete = 0;
-  std::optional<std::int64_t> newest_complete;
-  for (const auto& [step, path] : step_dirs(dir)) {
-    std::error_code ec;
-    const bool done = std::filesystem::exists(path / done_file, ec);
-    if (done && complete < keep) {
-      ++complete;
-      if (!newest_complete) newest_complete = step;
-      continue;
-    }
-    // Partial directories newer than the newest complete one may be a save in progress elsewhere.
-    if (!done && (!newest_complete || step > *newest_complete)) continue;
-    // DONE goes first: a checkpoint half removed must read as incomplete, never as complete.
-    std::filesystem::remove(path / done_file, ec);
-    std::filesystem::remove_all(path, ec);
-  }
-}
+void prune(const std::filesystem::path& dir, int keep);
 
-inline std::vector<std::byte> index_json(std::int64_t step, int world, const state& st,
-                                         const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& files) {
-  std::string s = "{\n  \"format\": \"ddp.checkpoint\",\n  \"version\": 1,\n";
-  s += "  \"step\": " + std::to_string(step) + ",\n";
-  s += "  \"world_size\": " + std::to_string(world) + ",\n";
-  s += "  \"sampler\": {\"seed\": " + std::to_string(st.sampler.seed) + ", \"epoch\": " + std::to_string(st.sampler.epoch) +
-       ", \"batches_done\": " + std::to_string(st.sampler.batches_done) + "},\n";
-  s += "  \"metadata\": {";
-  bool first = true;
-  for (const auto& [k, v] : st.metadata) {
-    s += (first ? "" : ", ") + json_quote(k) + ": " + json_quote(v);
-    first = false;
-  }
-  s += "},\n  \"files\": [\n";
-  for (std::size_t i = 0; i < files.size(); ++i) {
-    const auto& [path, v] = files[i];  // v: rank (-1 replicated), bytes, crc32
-    s += "    {\"path\": " + json_quote(path) + ", \"scope\": \"" + (v[0] < 0 ? "replicated" : "per_rank") + "\"" +
-         (v[0] < 0 ? std::string() : ", \"rank\": " + std::to_string(v[0])) + ", \"bytes\": " + std::to_string(v[1]) +
-         ", \"crc32\": " + std::to_string(v[2]) + "}" + (i + 1 < files.size() ? ",\n" : "\n");
-  }
-  // Tensors as rank 0 sees them; per-rank tensors have the same names in every rank's file
-  // (their shapes may differ per rank: each file's safetensors header is authoritative).
-  s += "  ],\n  \"tensors\": {\n";
-  for (std::size_t i = 0; i < st.entries.size(); ++i) {
-    const auto& e = st.entries[i];
-    s += "    " + json_quote(e.name) + ": {\"scope\": \"" + (e.where == scope::replicated ? "replicated" : "per_rank") +
-         "\", \"file\": " +
-         json_quote(e.where == scope::replicated ? std::string(replicated_file) : std::string("rank-{rank:05d}.safetensors")) +
-         ", \"dtype\": \"" + std::string(safetensors_dtype(e.type)) + "\", \"shape\": " + json_shape(e.shape) + "}" +
-         (i + 1 < st.entries.size() ? ",\n" : "\n");
-  }
-  s += "  }\n}\n";
-  const auto b = as_bytes(s);
-  return {b.begin(), b.end()};
-}
+std::vector<std::byte> index_json(std::int64_t step, int world, const state& st,
+                                  const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& files);
 
-inline std::vector<std::byte> encode(const state& st, scope which, std::int64_t step) {
-  std::vector<tensor_out> tensors;
-  for (const auto& e : st.entries)
-    if (e.where == which) {
-      tensors.push_back({.name = e.name, .type = e.type, .shape = e.shape, .data = e.data, .fill = {}});
-      if (e.memory == memory_space::device)
-        tensors.back().fill = [&e](std::span<std::byte> out) { device_copier->to_host(out, e.data, e.name); };
-    }
-  std::vector<std::pair<std::string, std::string>> meta{{"format", "ddp.checkpoint"}, {"step", std::to_string(step)}};
-  if (which == scope::replicated)
-    for (const auto& kv : st.metadata) meta.emplace_back(kv.first, kv.second);
-  return encode_safetensors(tensors, meta);
-}
+std::vector<std::byte> encode(const state& st, scope which, std::int64_t step);
 
 }  // namespace detail
 
 /// The newest complete, intact checkpoint under dir, or nullopt. Every skipped directory (no DONE,
 /// bad index, a file missing, wrong size or checksum) gets one line on stderr.
-inline std::optional<info> latest(const std::filesystem::path& dir) {
-  for (const auto& [step, path] : detail::step_dirs(dir)) {
-    if (const std::string why = detail::verify(path); !why.empty()) {
-      std::cerr << "ddp: checkpoint: skipping " + path.string() + ": " + why + "\n";
-      continue;
-    }
-    return info{.path = path, .step = step, .world_size = detail::read_index(path).world_size};
-  }
-  return std::nullopt;
-}
+std::optional<info> latest(const std::filesystem::path& dir);
 
 /// Saves `st` as checkpoint `step` under dir; a collective: every rank of the group calls it with
 /// the same step. Returns the checkpoint's directory once it is complete on every rank.
@@ -604,7 +373,291 @@ std::filesystem::path save(Group& group, const std::filesystem::path& dir, std::
 /// Tensors in the checkpoint that `st` does not name are ignored.
 /// With options.allow_world_size_change, a checkpoint of another world size loads its replicated
 /// entries, and the sampler restarts the interrupted epoch (the header comment says why).
-inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, state& st, load_options options = {}) {
+loaded load(const std::filesystem::path& ckpt, int rank, int world_size, state& st, load_options options = {});
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp); save() is a template over the group.
+#if !DDP_DECLARATIONS_ONLY
+namespace detail {
+
+DDP_COMPILED_INLINE void check_memory(const entry& e) {
+  if (e.memory != memory_space::device) return;
+  if (e.assign)
+    throw error(errc::invalid_argument, "checkpoint: entry '" + e.name + "' is in device memory, which a resizable entry cannot be",
+                {.op = "checkpoint"});
+  if (device_copier == nullptr)
+    throw error(errc::invalid_argument,
+                "checkpoint: entry '" + e.name + "' is in device memory, and this program is not built with CUDA support for "
+                "checkpoints (the CMake target ddp::nccl, or <ddp/checkpoint/cuda.hpp> and CUDA::cudart)",
+                {.op = "checkpoint"});
+}
+
+}  // namespace detail
+
+DDP_COMPILED_INLINE state& state::add_parameters(const std::vector<parameter_ref>& params, const std::string& prefix) {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    if (p.memory == memory_space::device && detail::device_copier == nullptr)
+      throw error(errc::invalid_argument,
+                  "checkpoint: " + describe_parameter(i, p.name) +
+                      " is in device memory, and this program is not built with CUDA support for checkpoints: "
+                      "link the CMake target ddp::nccl (or include <ddp/checkpoint/cuda.hpp> and link "
+                      "CUDA::cudart), or copy it to host first",
+                  {.op = "checkpoint"});
+    push(entry{.name = prefix + (p.name.empty() ? std::to_string(i) : p.name), .type = p.type, .shape = p.shape,
+               .data = p.value, .where = scope::replicated, .assign = {}, .memory = p.memory});
+  }
+  return *this;
+}
+
+DDP_COMPILED_INLINE state& state::add_bytes(std::string name, std::vector<std::byte> bytes, std::function<void(std::span<const std::byte>)> restore,
+                                            scope where) {
+  auto& kept = owned_.emplace_back(std::move(bytes));
+  return push(entry{.name = std::move(name), .type = dtype::uint8, .shape = {static_cast<std::int64_t>(kept.size())},
+                    .data = kept, .where = where, .assign = std::move(restore), .memory = memory_space::host});
+}
+
+DDP_COMPILED_INLINE state& state::add_generator(std::string name, torch_generator& gen, scope where) {
+  return add_bytes(std::move(name), to_bytes(gen.state()),
+                   [&gen](std::span<const std::byte> b) { gen.set_state(torch_generator_state_from_bytes(b)); }, where);
+}
+
+DDP_COMPILED_INLINE const entry* state::find(std::string_view name) const noexcept {
+  for (const auto& e : entries)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+DDP_COMPILED_INLINE state& state::push(entry e) {
+  if (find(e.name) != nullptr)
+    throw error(errc::invalid_argument, "checkpoint: two entries are named '" + e.name + "'", {.op = "checkpoint"});
+  detail::check_memory(e);
+  std::int64_t numel = 1;
+  for (const auto d : e.shape) numel *= d;
+  if (numel * static_cast<std::int64_t>(size_of(e.type)) != static_cast<std::int64_t>(e.data.size()))
+    throw error(errc::invalid_argument,
+                "checkpoint: entry '" + e.name + "': shape " + shape_string(e.shape) + " does not match its " +
+                    std::to_string(e.data.size()) + " bytes",
+                {.op = "checkpoint"});
+  entries.push_back(std::move(e));
+  return *this;
+}
+
+DDP_COMPILED_INLINE std::filesystem::path step_path(const std::filesystem::path& dir, std::int64_t step) {
+  char b[32];
+  std::snprintf(b, sizeof b, "step-%09lld", static_cast<long long>(step));
+  return dir / b;
+}
+
+DDP_COMPILED_INLINE std::string rank_file(int rank) {
+  char b[40];
+  std::snprintf(b, sizeof b, "rank-%05d.safetensors", rank);
+  return b;
+}
+
+namespace detail {
+
+DDP_COMPILED_INLINE std::optional<std::int64_t> step_of(const std::filesystem::path& p) {
+  const std::string name = p.filename().string();
+  if (name.size() < 6 || name.compare(0, 5, "step-") != 0) return std::nullopt;
+  for (std::size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+  return std::strtoll(name.c_str() + 5, nullptr, 10);
+}
+
+DDP_COMPILED_INLINE std::vector<std::pair<std::int64_t, std::filesystem::path>> step_dirs(const std::filesystem::path& dir) {
+  std::vector<std::pair<std::int64_t, std::filesystem::path>> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (const auto s = step_of(it->path()); s && it->is_directory(ec)) out.emplace_back(*s, it->path());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+struct test_hook {
+  std::string action;  // kill | pause
+  std::int64_t step = -1;
+  int rank = -1;
+  std::string point;  // tmp | done | after
+  std::string once_file;
+};
+
+DDP_COMPILED_INLINE const test_hook& hook() {
+  static const test_hook h = [] {
+    test_hook out;
+    const char* v = std::getenv("DDP_CHECKPOINT_TEST_HOOK");
+    if (v == nullptr) return out;
+    std::vector<std::string> parts(1);
+    for (const char* c = v; *c != '\0'; ++c) {
+      if (*c == ':' && parts.size() < 5)
+        parts.emplace_back();
+      else
+        parts.back() += *c;
+    }
+    if (parts.size() < 4 || (parts[0] != "kill" && parts[0] != "pause")) {
+      std::cerr << "ddp: DDP_CHECKPOINT_TEST_HOOK=" << v << " ignored (expected kill|pause:STEP:RANK:tmp|done|after[:FILE])\n";
+      return out;
+    }
+    out = {.action = parts[0], .step = std::strtoll(parts[1].c_str(), nullptr, 10),
+           .rank = static_cast<int>(std::strtol(parts[2].c_str(), nullptr, 10)), .point = parts[3],
+           .once_file = parts.size() > 4 ? parts[4] : std::string()};
+    return out;
+  }();
+  return h;
+}
+
+DDP_COMPILED_INLINE void test_point(std::string_view point) {
+  const auto& h = hook();
+  if (h.step != saving_step || h.rank != saving_rank || h.point != point) return;
+  if (!h.once_file.empty()) {
+    const int fd = ::open(h.once_file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    ::close(fd);
+  }
+  if (h.action == "kill") ::raise(SIGKILL);
+  // Paused until FILE.go exists, a preemption signal arrives (a scheduler's signal reaches every
+  // rank, this one too: the test learns of no delivery it could wait for) or killed. The
+  // launcher's SIGTERM, when a test kills another rank, must still end it, so SIGTERM and SIGINT
+  // take their default action meanwhile.
+  struct sigaction dfl {}, old_term {}, old_int {};
+  dfl.sa_handler = SIG_DFL;
+  ::sigaction(SIGTERM, &dfl, &old_term);
+  ::sigaction(SIGINT, &dfl, &old_int);
+  const std::string go = h.once_file + ".go";
+  for (std::error_code ec; !std::filesystem::exists(go, ec) && ddp::detail::preemption_signal.load() == 0;) ::usleep(1000);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  ::sigaction(SIGINT, &old_int, nullptr);
+}
+
+DDP_COMPILED_INLINE void before_rename(const std::filesystem::path&) { test_point("tmp"); }
+
+DDP_COMPILED_INLINE index read_index(const std::filesystem::path& ckpt) {
+  const auto bytes = read_file(ckpt / index_file);
+  if (!bytes) throw std::invalid_argument("index.json is missing or unreadable");
+  const json j = parse_json(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()));
+  const auto need = [&](const json& obj, std::string_view key) -> const json& {
+    const json* v = obj.find(key);
+    if (v == nullptr) throw std::invalid_argument("index.json has no \"" + std::string(key) + "\"");
+    return *v;
+  };
+  index out;
+  out.step = need(j, "step").as_int();
+  out.world_size = static_cast<int>(need(j, "world_size").as_int());
+  const json& s = need(j, "sampler");
+  out.sampler = {.seed = need(s, "seed").as_int(), .epoch = need(s, "epoch").as_int(),
+                 .batches_done = need(s, "batches_done").as_int()};
+  if (const json* m = j.find("metadata"))
+    for (std::size_t i = 0; i < m->keys.size(); ++i) out.metadata[m->keys[i]] = m->items[i].text;
+  for (const json& f : need(j, "files").items)
+    out.files.push_back({.path = need(f, "path").text, .bytes = static_cast<std::uint64_t>(need(f, "bytes").as_int()),
+                         .crc = static_cast<std::uint32_t>(need(f, "crc32").as_int())});
+  return out;
+}
+
+DDP_COMPILED_INLINE std::string verify(const std::filesystem::path& ckpt, int world_size_expected) {
+  std::error_code ec;
+  if (!std::filesystem::exists(ckpt / done_file, ec)) return "incomplete (no DONE marker)";
+  index idx;
+  try {
+    idx = read_index(ckpt);
+  } catch (const std::exception& e) {
+    return std::string("bad index.json: ") + e.what();
+  }
+  if (world_size_expected > 0 && idx.world_size != world_size_expected)
+    return "saved by " + std::to_string(idx.world_size) + " ranks, this job has " + std::to_string(world_size_expected);
+  for (const auto& f : idx.files) {
+    const auto bytes = read_file(ckpt / f.path);
+    if (!bytes) return f.path + " is missing";
+    if (bytes->size() != f.bytes)
+      return f.path + " has " + std::to_string(bytes->size()) + " bytes, index.json says " + std::to_string(f.bytes);
+    if (const auto crc = crc32(*bytes); crc != f.crc)
+      return f.path + ": checksum mismatch (crc32 " + std::to_string(crc) + ", index.json says " + std::to_string(f.crc) + ")";
+  }
+  return {};
+}
+
+DDP_COMPILED_INLINE void prune(const std::filesystem::path& dir, int keep) {
+  int complete = 0;
+  std::optional<std::int64_t> newest_complete;
+  for (const auto& [step, path] : step_dirs(dir)) {
+    std::error_code ec;
+    const bool done = std::filesystem::exists(path / done_file, ec);
+    if (done && complete < keep) {
+      ++complete;
+      if (!newest_complete) newest_complete = step;
+      continue;
+    }
+    // Partial directories newer than the newest complete one may be a save in progress elsewhere.
+    if (!done && (!newest_complete || step > *newest_complete)) continue;
+    // DONE goes first: a checkpoint half removed must read as incomplete, never as complete.
+    std::filesystem::remove(path / done_file, ec);
+    std::filesystem::remove_all(path, ec);
+  }
+}
+
+DDP_COMPILED_INLINE std::vector<std::byte> index_json(std::int64_t step, int world, const state& st,
+                                                      const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& files) {
+  std::string s = "{\n  \"format\": \"ddp.checkpoint\",\n  \"version\": 1,\n";
+  s += "  \"step\": " + std::to_string(step) + ",\n";
+  s += "  \"world_size\": " + std::to_string(world) + ",\n";
+  s += "  \"sampler\": {\"seed\": " + std::to_string(st.sampler.seed) + ", \"epoch\": " + std::to_string(st.sampler.epoch) +
+       ", \"batches_done\": " + std::to_string(st.sampler.batches_done) + "},\n";
+  s += "  \"metadata\": {";
+  bool first = true;
+  for (const auto& [k, v] : st.metadata) {
+    s += (first ? "" : ", ") + json_quote(k) + ": " + json_quote(v);
+    first = false;
+  }
+  s += "},\n  \"files\": [\n";
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const auto& [path, v] = files[i];  // v: rank (-1 replicated), bytes, crc32
+    s += "    {\"path\": " + json_quote(path) + ", \"scope\": \"" + (v[0] < 0 ? "replicated" : "per_rank") + "\"" +
+         (v[0] < 0 ? std::string() : ", \"rank\": " + std::to_string(v[0])) + ", \"bytes\": " + std::to_string(v[1]) +
+         ", \"crc32\": " + std::to_string(v[2]) + "}" + (i + 1 < files.size() ? ",\n" : "\n");
+  }
+  // Tensors as rank 0 sees them; per-rank tensors have the same names in every rank's file
+  // (their shapes may differ per rank: each file's safetensors header is authoritative).
+  s += "  ],\n  \"tensors\": {\n";
+  for (std::size_t i = 0; i < st.entries.size(); ++i) {
+    const auto& e = st.entries[i];
+    s += "    " + json_quote(e.name) + ": {\"scope\": \"" + (e.where == scope::replicated ? "replicated" : "per_rank") +
+         "\", \"file\": " +
+         json_quote(e.where == scope::replicated ? std::string(replicated_file) : std::string("rank-{rank:05d}.safetensors")) +
+         ", \"dtype\": \"" + std::string(safetensors_dtype(e.type)) + "\", \"shape\": " + json_shape(e.shape) + "}" +
+         (i + 1 < st.entries.size() ? ",\n" : "\n");
+  }
+  s += "  }\n}\n";
+  const auto b = as_bytes(s);
+  return {b.begin(), b.end()};
+}
+
+DDP_COMPILED_INLINE std::vector<std::byte> encode(const state& st, scope which, std::int64_t step) {
+  std::vector<tensor_out> tensors;
+  for (const auto& e : st.entries)
+    if (e.where == which) {
+      tensors.push_back({.name = e.name, .type = e.type, .shape = e.shape, .data = e.data, .fill = {}});
+      if (e.memory == memory_space::device)
+        tensors.back().fill = [&e](std::span<std::byte> out) { device_copier->to_host(out, e.data, e.name); };
+    }
+  std::vector<std::pair<std::string, std::string>> meta{{"format", "ddp.checkpoint"}, {"step", std::to_string(step)}};
+  if (which == scope::replicated)
+    for (const auto& kv : st.metadata) meta.emplace_back(kv.first, kv.second);
+  return encode_safetensors(tensors, meta);
+}
+
+}  // namespace detail
+
+DDP_COMPILED_INLINE std::optional<info> latest(const std::filesystem::path& dir) {
+  for (const auto& [step, path] : detail::step_dirs(dir)) {
+    if (const std::string why = detail::verify(path); !why.empty()) {
+      std::cerr << "ddp: checkpoint: skipping " + path.string() + ": " + why + "\n";
+      continue;
+    }
+    return info{.path = path, .step = step, .world_size = detail::read_index(path).world_size};
+  }
+  return std::nullopt;
+}
+
+DDP_COMPILED_INLINE loaded load(const std::filesystem::path& ckpt, int rank, int world_size, state& st, load_options options) {
   for (const auto& e : st.entries) detail::check_memory(e);
   const auto bad = [&](const std::string& what) {
     return error(errc::invalid_argument, "checkpoint " + ckpt.string() + ": " + what, {.op = "checkpoint.load"});
@@ -686,6 +739,7 @@ inline loaded load(const std::filesystem::path& ckpt, int rank, int world_size, 
   return {.step = idx.step, .world_size = idx.world_size, .sampler = resume, .metadata = idx.metadata,
           .world_size_changed = changed, .saved_sampler = idx.sampler, .not_loaded = std::move(not_loaded)};
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp::checkpoint
 

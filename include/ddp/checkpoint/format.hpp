@@ -4,16 +4,9 @@
 // headers, safetensors encoding and decoding, and durable file writes (temporary name, fsync,
 // rename, fsync of the directory). ddp/checkpoint.hpp builds save, load and latest on them.
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <array>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -24,38 +17,24 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#endif
 
 namespace ddp::checkpoint::detail {
 
 // --- CRC-32 (IEEE 802.3, reflected, as zlib) -------------------------------------------------
 
-// Slicing-by-8 (eight tables, eight bytes per round): a checkpoint's CRC runs over every byte
-// saved and loaded, and one table lookup per byte made it slower than the disk.
-inline std::uint32_t crc32(std::span<const std::byte> data, std::uint32_t crc = 0) noexcept {
-  static const auto tables = [] {
-    std::array<std::array<std::uint32_t, 256>, 8> t{};
-    for (std::uint32_t i = 0; i < 256; ++i) {
-      std::uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1U) ? 0xedb88320U ^ (c >> 1) : c >> 1;
-      t[0][i] = c;
-    }
-    for (std::uint32_t i = 0; i < 256; ++i)
-      for (std::size_t k = 1; k < 8; ++k) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xffU];
-    return t;
-  }();
-  const auto byte = [&](std::size_t i) { return std::to_integer<std::uint32_t>(data[i]); };
-  crc = ~crc;
-  std::size_t i = 0;
-  for (; i + 8 <= data.size(); i += 8) {
-    const std::uint32_t lo = crc ^ (byte(i) | byte(i + 1) << 8 | byte(i + 2) << 16 | byte(i + 3) << 24);
-    crc = tables[7][lo & 0xffU] ^ tables[6][(lo >> 8) & 0xffU] ^ tables[5][(lo >> 16) & 0xffU] ^ tables[4][lo >> 24] ^
-          tables[3][byte(i + 4)] ^ tables[2][byte(i + 5)] ^ tables[1][byte(i + 6)] ^ tables[0][byte(i + 7)];
-  }
-  for (; i < data.size(); ++i) crc = tables[0][(crc ^ byte(i)) & 0xffU] ^ (crc >> 8);
-  return ~crc;
-}
+std::uint32_t crc32(std::span<const std::byte> data, std::uint32_t crc = 0) noexcept;
 
 // --- JSON ------------------------------------------------------------------------------------
 
@@ -84,6 +63,117 @@ struct json {
     return std::strtoll(text.c_str(), nullptr, 10);
   }
 };
+
+json parse_json(std::string_view text);
+
+std::string json_quote(std::string_view s);
+
+std::string json_shape(std::span<const std::int64_t> shape);
+
+// --- safetensors ------------------------------------------------------------------------------
+
+/// safetensors' dtype names.
+constexpr std::string_view safetensors_dtype(dtype t) noexcept {
+  switch (t) {
+    case dtype::float32: return "F32";
+    case dtype::float64: return "F64";
+    case dtype::float16: return "F16";
+    case dtype::bfloat16: return "BF16";
+    case dtype::int32: return "I32";
+    case dtype::int64: return "I64";
+    case dtype::uint8: return "U8";
+  }
+  return "U8";
+}
+
+std::optional<dtype> dtype_from_safetensors(std::string_view name) noexcept;
+
+/// One tensor going into a file: its bytes are read where they lie, or, with `fill` set (memory
+/// the host cannot read, such as a GPU's), `fill` writes data.size() bytes into their place in
+/// the file.
+struct tensor_out {
+  std::string name;
+  dtype type = dtype::float32;
+  std::vector<std::int64_t> shape;
+  std::span<const std::byte> data;
+  std::function<void(std::span<std::byte>)> fill = {};
+};
+
+/// One tensor read from a file: a view into the file's bytes.
+struct tensor_in {
+  std::string name;
+  dtype type = dtype::float32;
+  std::vector<std::int64_t> shape;
+  std::span<const std::byte> data;
+};
+
+/// A safetensors file: u64 little-endian header length, the JSON header (padded with spaces to
+/// 8 bytes, as the reference writer does), the tensors back to back in the header's order.
+std::vector<std::byte> encode_safetensors(std::span<const tensor_out> tensors,
+                                          std::span<const std::pair<std::string, std::string>> metadata);
+
+struct safetensors_file {
+  std::vector<tensor_in> tensors;
+  std::vector<std::pair<std::string, std::string>> metadata;
+  const tensor_in* find(std::string_view name) const noexcept {
+    for (const auto& t : tensors)
+      if (t.name == name) return &t;
+    return nullptr;
+  }
+};
+
+/// Decodes `bytes` (which must outlive the result); std::invalid_argument says what is wrong.
+safetensors_file decode_safetensors(std::span<const std::byte> bytes);
+
+// --- files ------------------------------------------------------------------------------------
+
+std::string errno_text(int e);
+
+void fsync_directory(const std::filesystem::path& dir);
+
+/// Called between the temporary file's fsync and its rename (the test hook of checkpoint.hpp).
+using before_rename_hook = void (*)(const std::filesystem::path& final_path);
+
+/// Writes `bytes` to path durably: to a temporary name in the same directory, fsync, rename over
+/// path, fsync of the directory. A crash leaves either the old file (or none) or the whole new
+/// one, never a torn one under the final name.
+void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes,
+                           before_rename_hook hook = nullptr);
+
+/// The whole file, or nullopt when it cannot be opened.
+std::optional<std::vector<std::byte>> read_file(const std::filesystem::path& path);
+
+inline std::span<const std::byte> as_bytes(std::string_view s) noexcept {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+// Slicing-by-8 (eight tables, eight bytes per round): a checkpoint's CRC runs over every byte
+// saved and loaded, and one table lookup per byte made it slower than the disk.
+DDP_COMPILED_INLINE std::uint32_t crc32(std::span<const std::byte> data, std::uint32_t crc) noexcept {
+  static const auto tables = [] {
+    std::array<std::array<std::uint32_t, 256>, 8> t{};
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      std::uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1U) ? 0xedb88320U ^ (c >> 1) : c >> 1;
+      t[0][i] = c;
+    }
+    for (std::uint32_t i = 0; i < 256; ++i)
+      for (std::size_t k = 1; k < 8; ++k) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xffU];
+    return t;
+  }();
+  const auto byte = [&](std::size_t i) { return std::to_integer<std::uint32_t>(data[i]); };
+  crc = ~crc;
+  std::size_t i = 0;
+  for (; i + 8 <= data.size(); i += 8) {
+    const std::uint32_t lo = crc ^ (byte(i) | byte(i + 1) << 8 | byte(i + 2) << 16 | byte(i + 3) << 24);
+    crc = tables[7][lo & 0xffU] ^ tables[6][(lo >> 8) & 0xffU] ^ tables[5][(lo >> 16) & 0xffU] ^ tables[4][lo >> 24] ^
+          tables[3][byte(i + 4)] ^ tables[2][byte(i + 5)] ^ tables[1][byte(i + 6)] ^ tables[0][byte(i + 7)];
+  }
+  for (; i < data.size(); ++i) crc = tables[0][(crc ^ byte(i)) & 0xffU] ^ (crc >> 8);
+  return ~crc;
+}
 
 class json_parser {
  public:
@@ -216,9 +306,9 @@ class json_parser {
   std::size_t at_ = 0;
 };
 
-inline json parse_json(std::string_view text) { return json_parser(text).parse(); }
+DDP_COMPILED_INLINE json parse_json(std::string_view text) { return json_parser(text).parse(); }
 
-inline std::string json_quote(std::string_view s) {
+DDP_COMPILED_INLINE std::string json_quote(std::string_view s) {
   std::string out = "\"";
   for (const char c : s) {
     if (c == '"' || c == '\\') {
@@ -235,58 +325,21 @@ inline std::string json_quote(std::string_view s) {
   return out + "\"";
 }
 
-inline std::string json_shape(std::span<const std::int64_t> shape) {
+DDP_COMPILED_INLINE std::string json_shape(std::span<const std::int64_t> shape) {
   std::string s = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
 
-// --- safetensors ------------------------------------------------------------------------------
-
-/// safetensors' dtype names.
-constexpr std::string_view safetensors_dtype(dtype t) noexcept {
-  switch (t) {
-    case dtype::float32: return "F32";
-    case dtype::float64: return "F64";
-    case dtype::float16: return "F16";
-    case dtype::bfloat16: return "BF16";
-    case dtype::int32: return "I32";
-    case dtype::int64: return "I64";
-    case dtype::uint8: return "U8";
-  }
-  return "U8";
-}
-
-inline std::optional<dtype> dtype_from_safetensors(std::string_view name) noexcept {
+DDP_COMPILED_INLINE std::optional<dtype> dtype_from_safetensors(std::string_view name) noexcept {
   for (const dtype t : {dtype::float32, dtype::float64, dtype::float16, dtype::bfloat16, dtype::int32, dtype::int64,
                         dtype::uint8})
     if (safetensors_dtype(t) == name) return t;
   return std::nullopt;
 }
 
-/// One tensor going into a file: its bytes are read where they lie, or, with `fill` set (memory
-/// the host cannot read, such as a GPU's), `fill` writes data.size() bytes into their place in
-/// the file.
-struct tensor_out {
-  std::string name;
-  dtype type = dtype::float32;
-  std::vector<std::int64_t> shape;
-  std::span<const std::byte> data;
-  std::function<void(std::span<std::byte>)> fill = {};
-};
-
-/// One tensor read from a file: a view into the file's bytes.
-struct tensor_in {
-  std::string name;
-  dtype type = dtype::float32;
-  std::vector<std::int64_t> shape;
-  std::span<const std::byte> data;
-};
-
-/// A safetensors file: u64 little-endian header length, the JSON header (padded with spaces to
-/// 8 bytes, as the reference writer does), the tensors back to back in the header's order.
-inline std::vector<std::byte> encode_safetensors(std::span<const tensor_out> tensors,
-                                                 std::span<const std::pair<std::string, std::string>> metadata) {
+DDP_COMPILED_INLINE std::vector<std::byte> encode_safetensors(std::span<const tensor_out> tensors,
+                                                              std::span<const std::pair<std::string, std::string>> metadata) {
   std::string header = "{";
   bool first = true;
   if (!metadata.empty()) {
@@ -324,18 +377,7 @@ inline std::vector<std::byte> encode_safetensors(std::span<const tensor_out> ten
   return out;
 }
 
-struct safetensors_file {
-  std::vector<tensor_in> tensors;
-  std::vector<std::pair<std::string, std::string>> metadata;
-  const tensor_in* find(std::string_view name) const noexcept {
-    for (const auto& t : tensors)
-      if (t.name == name) return &t;
-    return nullptr;
-  }
-};
-
-/// Decodes `bytes` (which must outlive the result); std::invalid_argument says what is wrong.
-inline safetensors_file decode_safetensors(std::span<const std::byte> bytes) {
+DDP_COMPILED_INLINE safetensors_file decode_safetensors(std::span<const std::byte> bytes) {
   if (bytes.size() < 8) throw std::invalid_argument("shorter than the 8-byte header length");
   std::uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= std::uint64_t{std::to_integer<std::uint8_t>(bytes[static_cast<std::size_t>(i)])} << (8 * i);
@@ -374,11 +416,9 @@ inline safetensors_file decode_safetensors(std::span<const std::byte> bytes) {
   return out;
 }
 
-// --- files ------------------------------------------------------------------------------------
+DDP_COMPILED_INLINE std::string errno_text(int e) { return std::strerror(e); }
 
-inline std::string errno_text(int e) { return std::strerror(e); }
-
-inline void fsync_directory(const std::filesystem::path& dir) {
+DDP_COMPILED_INLINE void fsync_directory(const std::filesystem::path& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) throw error(errc::internal, "checkpoint: cannot open directory '" + dir.string() + "': " + errno_text(errno));
   const int rc = ::fsync(fd);
@@ -387,14 +427,8 @@ inline void fsync_directory(const std::filesystem::path& dir) {
   if (rc != 0) throw error(errc::internal, "checkpoint: fsync of '" + dir.string() + "' failed: " + errno_text(e));
 }
 
-/// Called between the temporary file's fsync and its rename (the test hook of checkpoint.hpp).
-using before_rename_hook = void (*)(const std::filesystem::path& final_path);
-
-/// Writes `bytes` to path durably: to a temporary name in the same directory, fsync, rename over
-/// path, fsync of the directory. A crash leaves either the old file (or none) or the whole new
-/// one, never a torn one under the final name.
-inline void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes,
-                                  before_rename_hook hook = nullptr) {
+DDP_COMPILED_INLINE void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes,
+                                               before_rename_hook hook) {
   const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw error(errc::internal, "checkpoint: cannot create '" + tmp.string() + "': " + errno_text(errno));
@@ -421,8 +455,7 @@ inline void write_file_atomically(const std::filesystem::path& path, std::span<c
   fsync_directory(path.parent_path());
 }
 
-/// The whole file, or nullopt when it cannot be opened.
-inline std::optional<std::vector<std::byte>> read_file(const std::filesystem::path& path) {
+DDP_COMPILED_INLINE std::optional<std::vector<std::byte>> read_file(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
   std::vector<std::byte> out;
@@ -440,9 +473,6 @@ inline std::optional<std::vector<std::byte>> read_file(const std::filesystem::pa
   ::close(fd);
   return out;
 }
-
-inline std::span<const std::byte> as_bytes(std::string_view s) noexcept {
-  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
-}
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp::checkpoint::detail
