@@ -21,7 +21,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <iostream>
 #include <iterator>
 #include <limits>
 #include <memory>
@@ -33,9 +32,13 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/random/distributions.hpp"
 #include "ddp/random/generator.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <iostream>
+#endif
 
 namespace ddp {
 
@@ -48,6 +51,10 @@ struct sampler_options {
 };
 
 namespace detail {
+
+/// Writes a sampler warning to std::cerr: out of line, so that a compiled-library user's file does
+/// not parse <iostream> for it.
+void print_sampler_warning(const std::string& message);
 
 inline void check_replicas(std::int64_t num_replicas, std::int64_t rank, const char* op) {
   if (rank >= num_replicas || rank < 0 || num_replicas < 1) {
@@ -323,7 +330,7 @@ class distributed_sampler {
       if (options_.warn)
         options_.warn(message);
       else
-        std::cerr << message << '\n';
+        detail::print_sampler_warning(message);
     }
     last_pass_epoch_ = epoch_;
   }
@@ -339,5 +346,10 @@ class distributed_sampler {
   mutable std::optional<std::int64_t> last_pass_epoch_;
   mutable bool warned_ = false;
 };
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE void detail::print_sampler_warning(const std::string& message) { std::cerr << message << '\n'; }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp

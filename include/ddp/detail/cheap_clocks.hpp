@@ -15,10 +15,14 @@
 
 #include <chrono>
 #include <cstdint>
-#include <fstream>
-#include <string>
 #include <tuple>
 #include <utility>
+
+#include "ddp/core/compiled.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <fstream>
+#include <string>
+#endif
 
 // The compiler's builtin rather than <x86intrin.h>'s __rdtsc: that header declares every x86
 // intrinsic, a large part of what any file that includes process_group.hpp parses.
@@ -88,19 +92,7 @@ class tick_clock {
     return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
   }
 
-  static bool kernel_keeps_time_with_tsc() noexcept {
-#if DDP_HAVE_TSC && defined(__linux__)
-    try {
-      std::ifstream in("/sys/devices/system/clocksource/clocksource0/current_clocksource");
-      std::string name;
-      return static_cast<bool>(in >> name) && name == "tsc";
-    } catch (...) {
-      return false;
-    }
-#else
-    return false;
-#endif
-  }
+  static bool kernel_keeps_time_with_tsc() noexcept;
 
   static const origin_point& origin() noexcept {
     static const origin_point o = [] {
@@ -111,6 +103,23 @@ class tick_clock {
     return o;
   }
 };
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE bool tick_clock::kernel_keeps_time_with_tsc() noexcept {
+#if DDP_HAVE_TSC && defined(__linux__)
+  try {
+    std::ifstream in("/sys/devices/system/clocksource/clocksource0/current_clocksource");
+    std::string name;
+    return static_cast<bool>(in >> name) && name == "tsc";
+  } catch (...) {
+    return false;
+  }
+#else
+  return false;
+#endif
+}
+#endif  // !DDP_DECLARATIONS_ONLY
 
 inline std::chrono::steady_clock::time_point coarse_now() noexcept {
 #if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
