@@ -9,26 +9,41 @@
 // -mfma / -march=native (and contraction on, GCC's default) cannot fuse them either.
 // Only + - * sqrt, fma and int<->float conversions are used: no libm, so no dependence on glibc.
 
+#include <cstdint>
+
+#include "ddp/core/compiled.hpp"
+#if !DDP_DECLARATIONS_ONLY
 #include <bit>
 #include <cmath>
-#include <cstdint>
+#endif
 
 namespace ddp::detail {
 
 /// Forces `v` to be a rounded float: the compiler cannot fuse the product that produced it
 /// into a later add (volatile stores cannot be elided).
-inline float rounded(float v) noexcept {
+float rounded(float v) noexcept;
+double rounded(double v) noexcept;
+
+/// log256_ps for one lane: natural log of x > 0 (x = 0 gives -inf-like garbage as in Cephes;
+/// the randn caller never passes 0 since u1 = 1 - u is in (0, 1]).
+float cephes_logf(float x) noexcept;
+
+/// sincos256_ps for one lane.
+void cephes_sincosf(float x, float& sin_out, float& cos_out) noexcept;
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE float rounded(float v) noexcept {
   volatile float stored = v;
   return stored;
 }
-inline double rounded(double v) noexcept {
+
+DDP_COMPILED_INLINE double rounded(double v) noexcept {
   volatile double stored = v;
   return stored;
 }
 
-/// log256_ps for one lane: natural log of x > 0 (x = 0 gives -inf-like garbage as in Cephes;
-/// the randn caller never passes 0 since u1 = 1 - u is in (0, 1]).
-inline float cephes_logf(float x) noexcept {
+DDP_COMPILED_INLINE float cephes_logf(float x) noexcept {
   const bool is_le_zero = x <= 0.0f;  // invalid_mask (_CMP_LE_OS)
   const float min_norm_pos = std::bit_cast<float>(0x00800000U);
   x = x > min_norm_pos ? x : min_norm_pos;  // _mm256_max_ps(x, min): returns the second operand on NaN
@@ -64,8 +79,7 @@ inline float cephes_logf(float x) noexcept {
   return x;
 }
 
-/// sincos256_ps for one lane.
-inline void cephes_sincosf(float x, float& sin_out, float& cos_out) noexcept {
+DDP_COMPILED_INLINE void cephes_sincosf(float x, float& sin_out, float& cos_out) noexcept {
   const std::uint32_t sign_in = std::bit_cast<std::uint32_t>(x) & 0x80000000U;
   x = std::bit_cast<float>(std::bit_cast<std::uint32_t>(x) & 0x7fffffffU);
 
@@ -107,5 +121,6 @@ inline void cephes_sincosf(float x, float& sin_out, float& cos_out) noexcept {
   sin_out = std::bit_cast<float>(std::bit_cast<std::uint32_t>(s) ^ sign_sin);
   cos_out = std::bit_cast<float>(std::bit_cast<std::uint32_t>(c) ^ sign_cos);
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp::detail

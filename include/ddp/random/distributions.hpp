@@ -22,19 +22,22 @@
 // randn n < 16 path and the scalar kernel need glibc's libm (the library torch itself calls);
 // other C libraries may differ in the last bit there.
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
-#include <numbers>
 #include <span>
 #include <string>
-#include <utility>
 #include <vector>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/random/cephes.hpp"
 #include "ddp/random/generator.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <utility>
+#endif
 
 namespace ddp {
 
@@ -54,7 +57,65 @@ inline double uniform_double(torch_generator& gen) noexcept {
 }
 
 // torch's at::normal_distribution<double> (mean 0, std 1): the cached sample first.
-inline double normal_double(torch_generator& gen) {
+double normal_double(torch_generator& gen);
+
+// normal_fill_16_AVX2 / normal_fill_16 on d[0..15], mean 0 and std 1.
+void normal_block16(float* d, torch_cpu_kernel kernel);
+
+std::size_t checked_count(std::int64_t n, const char* op);
+
+}  // namespace detail
+
+// ---- integers ------------------------------------------------------------------------------
+
+namespace detail {
+// torch's original algorithm, kept for n < 2^32 / 20: a[i] <-> a[i + random() % (n - i)].
+void randperm_small(std::span<std::int64_t> a, torch_generator& gen) noexcept;
+// Above that, random() % n would be visibly biased: inside-out Fisher-Yates with random64().
+void randperm_large(std::span<std::int64_t> a, torch_generator& gen) noexcept;
+}  // namespace detail
+
+/// torch.randperm(n, generator=gen) (int64).
+std::vector<std::int64_t> randperm(std::int64_t n, torch_generator& gen);
+
+/// torch.randint(low, high, (n,), generator=gen): values in [low, high).
+std::vector<std::int64_t> randint(std::int64_t low, std::int64_t high, std::int64_t n, torch_generator& gen);
+
+/// torch.empty(n, dtype=torch.int32).random_(generator=gen): w % 2^31, one word each.
+std::vector<std::int32_t> random_int32(std::int64_t n, torch_generator& gen);
+
+/// torch.empty(n, dtype=torch.int64).random_(generator=gen): random64() % 2^63.
+std::vector<std::int64_t> random_int64(std::int64_t n, torch_generator& gen);
+
+// ---- uniform floats ------------------------------------------------------------------------
+
+/// Tensor.uniform_(from, to) on a float32 tensor, in memory order.
+void fill_uniform(std::span<float> out, double from, double to, torch_generator& gen,
+                  torch_cpu_kernel kernel = torch_cpu_kernel::avx2);
+
+std::vector<float> uniform(std::int64_t n, double from, double to, torch_generator& gen,
+                           torch_cpu_kernel kernel = torch_cpu_kernel::avx2);
+
+/// torch.rand(n, generator=gen): (w & 0xFFFFFF) * 2^-24, one word each (any kernel).
+std::vector<float> rand(std::int64_t n, torch_generator& gen);
+
+/// torch.rand(n, dtype=torch.float64, generator=gen): two words each.
+std::vector<double> rand_float64(std::int64_t n, torch_generator& gen);
+
+// ---- normal floats -------------------------------------------------------------------------
+
+/// torch.randn(out.size(), generator=gen) written into a contiguous float32 buffer.
+void fill_randn(std::span<float> out, torch_generator& gen, torch_cpu_kernel kernel = torch_cpu_kernel::avx2);
+
+/// torch.randn(n, generator=gen). For a tensor of shape [a, b, ...] pass the element count:
+/// torch fills contiguous tensors in row-major order.
+std::vector<float> randn(std::int64_t n, torch_generator& gen, torch_cpu_kernel kernel = torch_cpu_kernel::avx2);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+namespace detail {
+
+DDP_COMPILED_INLINE double normal_double(torch_generator& gen) {
   if (const auto cached = gen.next_double_normal_sample()) {
     gen.set_next_double_normal_sample(std::nullopt);
     return *cached;
@@ -67,8 +128,7 @@ inline double normal_double(torch_generator& gen) {
   return r * std::cos(theta);
 }
 
-// normal_fill_16_AVX2 / normal_fill_16 on d[0..15], mean 0 and std 1.
-inline void normal_block16(float* d, torch_cpu_kernel kernel) {
+DDP_COMPILED_INLINE void normal_block16(float* d, torch_cpu_kernel kernel) {
   for (int j = 0; j < 8; ++j) {
     const float u1 = 1.0f - d[j];  // [0,1) -> (0,1] for the log
     const float u2 = d[j + 8];
@@ -89,20 +149,14 @@ inline void normal_block16(float* d, torch_cpu_kernel kernel) {
   }
 }
 
-inline std::size_t checked_count(std::int64_t n, const char* op) {
+DDP_COMPILED_INLINE std::size_t checked_count(std::int64_t n, const char* op) {
   if (n < 0)
     throw error(errc::invalid_argument, std::string(op) + ": the number of values must be >= 0, got " + std::to_string(n),
                 {.op = op});
   return static_cast<std::size_t>(n);
 }
 
-}  // namespace detail
-
-// ---- integers ------------------------------------------------------------------------------
-
-namespace detail {
-// torch's original algorithm, kept for n < 2^32 / 20: a[i] <-> a[i + random() % (n - i)].
-inline void randperm_small(std::span<std::int64_t> a, torch_generator& gen) noexcept {
+DDP_COMPILED_INLINE void randperm_small(std::span<std::int64_t> a, torch_generator& gen) noexcept {
   const auto n = static_cast<std::int64_t>(a.size());
   for (std::int64_t i = 0; i < n; ++i) a[static_cast<std::size_t>(i)] = i;
   for (std::int64_t i = 0; i < n - 1; ++i) {
@@ -110,8 +164,8 @@ inline void randperm_small(std::span<std::int64_t> a, torch_generator& gen) noex
     std::swap(a[static_cast<std::size_t>(i)], a[static_cast<std::size_t>(i + z)]);
   }
 }
-// Above that, random() % n would be visibly biased: inside-out Fisher-Yates with random64().
-inline void randperm_large(std::span<std::int64_t> a, torch_generator& gen) noexcept {
+
+DDP_COMPILED_INLINE void randperm_large(std::span<std::int64_t> a, torch_generator& gen) noexcept {
   const auto n = static_cast<std::int64_t>(a.size());
   for (std::int64_t i = 0; i < n; ++i) {
     const auto z = static_cast<std::size_t>(gen.random64() % static_cast<std::uint64_t>(i + 1));
@@ -119,10 +173,10 @@ inline void randperm_large(std::span<std::int64_t> a, torch_generator& gen) noex
     a[z] = i;
   }
 }
+
 }  // namespace detail
 
-/// torch.randperm(n, generator=gen) (int64).
-inline std::vector<std::int64_t> randperm(std::int64_t n, torch_generator& gen) {
+DDP_COMPILED_INLINE std::vector<std::int64_t> randperm(std::int64_t n, torch_generator& gen) {
   std::vector<std::int64_t> a(detail::checked_count(n, "randperm"));
   constexpr std::int64_t small_limit = std::numeric_limits<std::uint32_t>::max() / 20;  // 214748364
   if (n < small_limit)
@@ -132,8 +186,7 @@ inline std::vector<std::int64_t> randperm(std::int64_t n, torch_generator& gen) 
   return a;
 }
 
-/// torch.randint(low, high, (n,), generator=gen): values in [low, high).
-inline std::vector<std::int64_t> randint(std::int64_t low, std::int64_t high, std::int64_t n, torch_generator& gen) {
+DDP_COMPILED_INLINE std::vector<std::int64_t> randint(std::int64_t low, std::int64_t high, std::int64_t n, torch_generator& gen) {
   const std::size_t count = detail::checked_count(n, "randint");
   if (low >= high)
     throw error(errc::invalid_argument,
@@ -149,25 +202,20 @@ inline std::vector<std::int64_t> randint(std::int64_t low, std::int64_t high, st
   return out;
 }
 
-/// torch.empty(n, dtype=torch.int32).random_(generator=gen): w % 2^31, one word each.
-inline std::vector<std::int32_t> random_int32(std::int64_t n, torch_generator& gen) {
+DDP_COMPILED_INLINE std::vector<std::int32_t> random_int32(std::int64_t n, torch_generator& gen) {
   std::vector<std::int32_t> out(detail::checked_count(n, "random_int32"));
   for (auto& v : out) v = static_cast<std::int32_t>(gen.random() % (std::uint32_t{1} << 31));
   return out;
 }
 
-/// torch.empty(n, dtype=torch.int64).random_(generator=gen): random64() % 2^63.
-inline std::vector<std::int64_t> random_int64(std::int64_t n, torch_generator& gen) {
+DDP_COMPILED_INLINE std::vector<std::int64_t> random_int64(std::int64_t n, torch_generator& gen) {
   std::vector<std::int64_t> out(detail::checked_count(n, "random_int64"));
   for (auto& v : out) v = static_cast<std::int64_t>(gen.random64() % (std::uint64_t{1} << 63));
   return out;
 }
 
-// ---- uniform floats ------------------------------------------------------------------------
-
-/// Tensor.uniform_(from, to) on a float32 tensor, in memory order.
-inline void fill_uniform(std::span<float> out, double from, double to, torch_generator& gen,
-                         torch_cpu_kernel kernel = torch_cpu_kernel::avx2) {
+DDP_COMPILED_INLINE void fill_uniform(std::span<float> out, double from, double to, torch_generator& gen,
+                                      torch_cpu_kernel kernel) {
   if (!(from <= to))
     throw error(errc::invalid_argument,
                 "uniform_ expects to return a [from, to) range, but found from=" + std::to_string(from) +
@@ -183,31 +231,26 @@ inline void fill_uniform(std::span<float> out, double from, double to, torch_gen
   }
 }
 
-inline std::vector<float> uniform(std::int64_t n, double from, double to, torch_generator& gen,
-                                  torch_cpu_kernel kernel = torch_cpu_kernel::avx2) {
+DDP_COMPILED_INLINE std::vector<float> uniform(std::int64_t n, double from, double to, torch_generator& gen,
+                                               torch_cpu_kernel kernel) {
   std::vector<float> out(detail::checked_count(n, "uniform"));
   fill_uniform(out, from, to, gen, kernel);
   return out;
 }
 
-/// torch.rand(n, generator=gen): (w & 0xFFFFFF) * 2^-24, one word each (any kernel).
-inline std::vector<float> rand(std::int64_t n, torch_generator& gen) {
+DDP_COMPILED_INLINE std::vector<float> rand(std::int64_t n, torch_generator& gen) {
   std::vector<float> out(detail::checked_count(n, "rand"));
   for (auto& v : out) v = detail::uniform_float(gen);
   return out;
 }
 
-/// torch.rand(n, dtype=torch.float64, generator=gen): two words each.
-inline std::vector<double> rand_float64(std::int64_t n, torch_generator& gen) {
+DDP_COMPILED_INLINE std::vector<double> rand_float64(std::int64_t n, torch_generator& gen) {
   std::vector<double> out(detail::checked_count(n, "rand_float64"));
   for (auto& v : out) v = detail::uniform_double(gen);
   return out;
 }
 
-// ---- normal floats -------------------------------------------------------------------------
-
-/// torch.randn(out.size(), generator=gen) written into a contiguous float32 buffer.
-inline void fill_randn(std::span<float> out, torch_generator& gen, torch_cpu_kernel kernel = torch_cpu_kernel::avx2) {
+DDP_COMPILED_INLINE void fill_randn(std::span<float> out, torch_generator& gen, torch_cpu_kernel kernel) {
   const std::size_t n = out.size();
   if (n < 16) {
     // transformation::normal(x, mean 0, std 1) = x * 1 + 0: exact, except that -0 becomes +0
@@ -225,12 +268,11 @@ inline void fill_randn(std::span<float> out, torch_generator& gen, torch_cpu_ker
   }
 }
 
-/// torch.randn(n, generator=gen). For a tensor of shape [a, b, ...] pass the element count:
-/// torch fills contiguous tensors in row-major order.
-inline std::vector<float> randn(std::int64_t n, torch_generator& gen, torch_cpu_kernel kernel = torch_cpu_kernel::avx2) {
+DDP_COMPILED_INLINE std::vector<float> randn(std::int64_t n, torch_generator& gen, torch_cpu_kernel kernel) {
   std::vector<float> out(detail::checked_count(n, "randn"));
   fill_randn(out, gen, kernel);
   return out;
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp

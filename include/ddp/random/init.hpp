@@ -8,14 +8,17 @@
 // one generator word per value, weight first. `torch.manual_seed(S); nn.Linear(a, b); nn.Linear(b, c)`
 // is torch_generator g{S}; torch_linear_init(b, a, g); torch_linear_init(c, b, g).
 
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "ddp/core/compiled.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/random/distributions.hpp"
 #include "ddp/random/generator.hpp"
+#if !DDP_DECLARATIONS_ONLY
+#include <cmath>
+#endif
 
 namespace ddp {
 
@@ -27,16 +30,23 @@ struct linear_init {
 };
 
 /// kaiming_uniform_'s bound for nn.Linear (a = sqrt(5), leaky_relu gain), computed as torch does.
-inline double torch_linear_weight_bound(std::int64_t fan_in) {
+double torch_linear_weight_bound(std::int64_t fan_in);
+
+/// The weight and bias of torch.nn.Linear(in_features, out_features) drawn from `gen`.
+linear_init torch_linear_init(std::int64_t out_features, std::int64_t in_features, torch_generator& gen,
+                              torch_cpu_kernel kernel = torch_cpu_kernel::avx2);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
+DDP_COMPILED_INLINE double torch_linear_weight_bound(std::int64_t fan_in) {
   const double a = std::sqrt(5.0);
   const double gain = std::sqrt(2.0 / (1.0 + a * a));  // Python's a**2 is the correctly rounded a*a
   const double std_dev = gain / std::sqrt(static_cast<double>(fan_in));
   return std::sqrt(3.0) * std_dev;
 }
 
-/// The weight and bias of torch.nn.Linear(in_features, out_features) drawn from `gen`.
-inline linear_init torch_linear_init(std::int64_t out_features, std::int64_t in_features, torch_generator& gen,
-                                     torch_cpu_kernel kernel = torch_cpu_kernel::avx2) {
+DDP_COMPILED_INLINE linear_init torch_linear_init(std::int64_t out_features, std::int64_t in_features, torch_generator& gen,
+                                                  torch_cpu_kernel kernel) {
   if (out_features < 0 || in_features < 0)
     throw error(errc::invalid_argument,
                 "torch_linear_init: out_features and in_features must be >= 0, got out_features=" +
@@ -58,5 +68,6 @@ inline linear_init torch_linear_init(std::int64_t out_features, std::int64_t in_
   }
   return p;
 }
+#endif  // !DDP_DECLARATIONS_ONLY
 
 }  // namespace ddp
