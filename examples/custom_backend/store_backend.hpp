@@ -24,6 +24,9 @@ class store_backend {
  public:
   static constexpr ddp::memory_space memory = ddp::memory_space::host;
   static constexpr std::string_view name = "store";
+  // Beyond the minimum (rank, size, all_reduce, broadcast, abort): one store round each instead
+  // of process_group's fallbacks.
+  static constexpr ddp::backend_capabilities capabilities{.all_gather = true, .reduce_scatter = true, .barrier = true};
 
   store_backend(std::shared_ptr<ddp::store::store> store, int rank, int size, std::string prefix = "store_backend")
       : store_(std::move(store)), rank_(rank), size_(size), prefix_(std::move(prefix)) {}

@@ -61,12 +61,14 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/parameters.hpp"
+#include "ddp/work.hpp"
 
 namespace ddp {
 
@@ -101,22 +103,31 @@ concept collective_group =
 
 namespace detail {
 
-/// A type-erased handle on anything waitable (a group's work, or a hook's own result).
+/// A type-erased handle on anything waitable (a group's work, or a hook's own result). A
+/// ddp::work is held as it is (no allocation: what every bucket's reduction returns).
 class any_work {
  public:
   any_work() = default;
+  any_work(work w) : direct_(std::move(w)), is_direct_(true) {}  // NOLINT: implicit on purpose
   template <waitable W>
-    requires(!std::same_as<std::remove_cvref_t<W>, any_work>)
+    requires(!std::same_as<std::remove_cvref_t<W>, any_work> && !std::same_as<std::remove_cvref_t<W>, work>)
   any_work(W w) : impl_(std::make_shared<model<W>>(std::move(w))) {}  // NOLINT: implicit on purpose
 
-  explicit operator bool() const noexcept { return impl_ != nullptr; }
+  explicit operator bool() const noexcept { return is_direct_ || impl_ != nullptr; }
   void wait() {
-    if (impl_) impl_->wait();
+    if (is_direct_) direct_.wait();
+    else if (impl_) impl_->wait();
   }
   /// False when not done by d. Works without wait(deadline) are waited for in full (their own
   /// group timeout bounds them).
-  bool wait(deadline d) { return impl_ ? impl_->wait_until(d) : true; }
-  bool is_completed() const { return impl_ ? impl_->completed() : true; }
+  bool wait(deadline d) {
+    if (is_direct_) return direct_.wait(d);
+    return impl_ ? impl_->wait_until(d) : true;
+  }
+  bool is_completed() const {
+    if (is_direct_) return direct_.is_completed();
+    return impl_ ? impl_->completed() : true;
+  }
 
  private:
   struct base {
@@ -146,7 +157,16 @@ class any_work {
     }
     W work;
   };
+  work direct_;
+  bool is_direct_ = false;
   std::shared_ptr<base> impl_;
+};
+
+/// A group that takes a whole collective_call (process_group over a backend with call records,
+/// ddp::group): a bucket goes down as (dtype, bytes), never as a type.
+template <class G>
+concept takes_call_records = requires(G& g, const collective_call& c) {
+  { g.call(c, true) } -> std::same_as<work>;
 };
 
 /// The memory space a group's collectives work on: g.memory(), G::memory, G's backend's, or host.
@@ -650,7 +670,7 @@ class distributed_data_parallel {
              (j == i || bytes + params_[j].bytes() <= pack_cap))
         bytes += params_[j++].bytes();
       if (j == i) j = i + 1;
-      detail::visit_dtype(params_[i].type, [&](auto tag) {
+      visit_dtype(params_[i].type, [&](auto tag) {
         using T = typename decltype(tag)::type;
         if (j == i + 1) {
           group_->broadcast(params_[i].template values<T>(), 0);
@@ -727,7 +747,7 @@ class distributed_data_parallel {
                       "has no copy_memory to fill a bucket buffer with them",
                   context());
     }
-    detail::visit_dtype(bk.info.type, [&](auto tag) {
+    visit_dtype(bk.info.type, [&](auto tag) {
       using T = typename decltype(tag)::type;
       const std::size_t n = bk.info.bytes / sizeof(T);
       if constexpr (requires(Group& g) { g.template allocate<T>(n); }) {
@@ -817,8 +837,18 @@ class distributed_data_parallel {
     bucket_view view{b.index, b.info.type, b.view, b.info.parameters, static_cast<int>(group_->size()), &b.scratch};
     if (hook_) {
       b.work = hook_(view, *group_);
+    } else if constexpr (detail::takes_call_records<Group>) {
+      const std::size_t n = view.numel();
+      const collective_call c{.op = collective::all_reduce, .type = b.info.type, .reduction = reduce_kind::avg, .in = b.view.data(), .in_count = n,
+                              .out = b.view.data(), .out_count = n};
+      if (blocking) {
+        group_->call(c, false);
+        b.reduced_inline = true;
+      } else {
+        b.work = group_->call(c, true);
+      }
     } else if (blocking) {
-      detail::visit_dtype(b.info.type, [&](auto tag) {
+      visit_dtype(b.info.type, [&](auto tag) {
         using T = typename decltype(tag)::type;
         if constexpr (requires { group_->all_reduce(view.as<T>(), avg{}); }) {
           group_->all_reduce(view.as<T>(), avg{});
@@ -828,7 +858,7 @@ class distributed_data_parallel {
         }
       });
     } else {
-      b.work = detail::visit_dtype(b.info.type, [&](auto tag) -> detail::any_work {
+      b.work = visit_dtype(b.info.type, [&](auto tag) -> detail::any_work {
         using T = typename decltype(tag)::type;
         return detail::any_work(group_->all_reduce_async(view.as<T>(), avg{}));
       });

@@ -172,6 +172,11 @@ class group : public detail::pg_range_calls<group> {
   using ranges::all_gather, ranges::all_gather_async, ranges::reduce_scatter, ranges::reduce_scatter_async;
   using ranges::all_to_all, ranges::send, ranges::recv;
 
+  /// Any collective as one record (op, dtype, reduction, buffers, counts, root or peer): what
+  /// code that holds untyped buffers (the data-parallel wrapper's buckets) calls. Checked as the
+  /// typed calls are; async when `async`.
+  work call(const collective_call& c, bool async = false) { return live().call(c, async); }
+
   // --- memory and sub-groups -----------------------------------------------------------------
   template <dtype_like T>
   group_buffer<T> allocate(std::size_t n) {
@@ -198,7 +203,7 @@ class group : public detail::pg_range_calls<group> {
 
   work call(collective op, dtype type, reduce_kind k, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root = -1,
             bool async = false) {
-    return live().call({.op = op, .type = type, .reduction = k, .in = in, .in_count = in_n, .out = out, .out_count = out_n, .root = root},
+    return live().call({.op = op, .type = type, .reduction = k, .root = root, .in = in, .in_count = in_n, .out = out, .out_count = out_n},
                        async);
   }
 

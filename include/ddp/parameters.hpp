@@ -244,23 +244,4 @@ concept parameter_container = requires(P& p) {
   { ddp::parameters(p) } -> std::same_as<std::vector<parameter_ref>>;
 };
 
-namespace detail {
-
-/// Calls f(std::type_identity<T>{}) for the C++ type of a dtype.
-template <class F>
-decltype(auto) visit_dtype(dtype t, F&& f) {
-  switch (t) {
-    case dtype::float32: return f(std::type_identity<float>{});
-    case dtype::float64: return f(std::type_identity<double>{});
-    case dtype::float16: return f(std::type_identity<float16>{});
-    case dtype::bfloat16: return f(std::type_identity<bfloat16>{});
-    case dtype::int32: return f(std::type_identity<std::int32_t>{});
-    case dtype::int64: return f(std::type_identity<std::int64_t>{});
-    case dtype::uint8: break;
-  }
-  return f(std::type_identity<std::uint8_t>{});
-}
-
-}  // namespace detail
-
 }  // namespace ddp

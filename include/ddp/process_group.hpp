@@ -91,18 +91,25 @@ struct group_stats {
 
 namespace detail {
 
+inline bool pg_overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
+  if (a_bytes == 0 || b_bytes == 0) return false;
+  const auto* a0 = static_cast<const std::byte*>(a);
+  const auto* b0 = static_cast<const std::byte*>(b);
+  return std::less<>{}(a0, b0 + b_bytes) && std::less<>{}(b0, a0 + a_bytes);
+}
 template <class T, class U>
 bool pg_overlap(std::span<T> a, std::span<U> b) noexcept {
-  if (a.empty() || b.empty()) return false;
-  const auto* a0 = reinterpret_cast<const std::byte*>(a.data());
-  const auto* b0 = reinterpret_cast<const std::byte*>(b.data());
-  return std::less<>{}(a0, b0 + b.size_bytes()) && std::less<>{}(b0, a0 + a.size_bytes());
+  return pg_overlap(a.data(), a.size_bytes(), b.data(), b.size_bytes());
 }
 
 }  // namespace detail
 
 template <ddp::backend B>
 class process_group : public detail::pg_range_calls<process_group<B>> {
+  static_assert(detail::pg_check_declared<B>());
+  static_assert(!detail::pg_declares_call_records<B> || detail::pg_has_run<B>,
+                "the backend declares takes_call_records but has no run(const ddp::collective_call&, const ddp::collective_desc&, ddp::deadline)");
+
  public:
   using backend_type = B;
 
@@ -144,126 +151,128 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   B& backend() { return live().backend; }
   const B& backend() const { return live().backend; }
 
+  // Every typed call below becomes one collective_call, checked once (check_call). A backend
+  // that declares `takes_call_records` gets that record whole (call()); for any other backend,
+  // and for a user's own reduce op, the typed span reaches the backend's template (issue()).
+
   // --- all_reduce ------------------------------------------------------------------------
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void all_reduce(std::span<T> data, Op op = {}) {
-    run(describe<T>(collective::all_reduce, data.size(), kind_of(op)), data.size_bytes(), all_reduce_call(data, op));
+    issue<collective::all_reduce, T>(record(collective::all_reduce, data, data, kind_of(op)), false, op);
   }
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void all_reduce(std::span<const T> in, std::span<T> out, Op op = {}) {
-    check_same_size(collective::all_reduce, in.size(), out.size());
-    run(describe<T>(collective::all_reduce, out.size(), kind_of(op)), out.size_bytes(), all_reduce_call(in, out, op));
+    issue<collective::all_reduce, T>(record(collective::all_reduce, in, out, kind_of(op)), false, op);
   }
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work all_reduce_async(std::span<T> data, Op op = {}) {
-    return submit(describe<T>(collective::all_reduce, data.size(), kind_of(op)), data.size_bytes(), all_reduce_call(data, op));
+    return issue<collective::all_reduce, T>(record(collective::all_reduce, data, data, kind_of(op)), true, op);
   }
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work all_reduce_async(std::span<const T> in, std::span<T> out, Op op = {}) {
-    check_same_size(collective::all_reduce, in.size(), out.size());
-    return submit(describe<T>(collective::all_reduce, out.size(), kind_of(op)), out.size_bytes(), all_reduce_call(in, out, op));
+    return issue<collective::all_reduce, T>(record(collective::all_reduce, in, out, kind_of(op)), true, op);
   }
 
   // --- broadcast ---------------------------------------------------------------------------
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   void broadcast(std::span<T> data, int root) {
-    check_rank(collective::broadcast, "root", root);
-    run(describe<T>(collective::broadcast, data.size(), reduce_kind::sum, root), data.size_bytes(), broadcast_call(data, root));
+    issue<collective::broadcast, T>(record(collective::broadcast, data, data, reduce_kind::sum, root), false);
   }
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   work broadcast_async(std::span<T> data, int root) {
-    check_rank(collective::broadcast, "root", root);
-    return submit(describe<T>(collective::broadcast, data.size(), reduce_kind::sum, root), data.size_bytes(), broadcast_call(data, root));
+    return issue<collective::broadcast, T>(record(collective::broadcast, data, data, reduce_kind::sum, root), true);
   }
 
   // --- reduce (result on root; other ranks' data is unspecified afterwards) ----------------
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void reduce(std::span<T> data, int root, Op op = {}) {
-    check_rank(collective::reduce, "root", root);
-    run(describe<T>(collective::reduce, data.size(), kind_of(op), root), data.size_bytes(), reduce_call(data, root, op));
+    issue<collective::reduce, T>(record(collective::reduce, data, data, kind_of(op), root), false, op);
   }
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work reduce_async(std::span<T> data, int root, Op op = {}) {
-    check_rank(collective::reduce, "root", root);
-    return submit(describe<T>(collective::reduce, data.size(), kind_of(op), root), data.size_bytes(), reduce_call(data, root, op));
+    return issue<collective::reduce, T>(record(collective::reduce, data, data, kind_of(op), root), true, op);
   }
 
   // --- all_gather: out = size() * in, rank-major ------------------------------------------
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   void all_gather(std::span<const T> in, std::span<T> out) {
-    check_scaled(collective::all_gather, "out", out.size(), "in", in.size());
-    run(describe<T>(collective::all_gather, in.size()), out.size_bytes(), all_gather_call(in, out));
+    issue<collective::all_gather, T>(record(collective::all_gather, in, out), false);
   }
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   work all_gather_async(std::span<const T> in, std::span<T> out) {
-    check_scaled(collective::all_gather, "out", out.size(), "in", in.size());
-    return submit(describe<T>(collective::all_gather, in.size()), out.size_bytes(), all_gather_call(in, out));
+    return issue<collective::all_gather, T>(record(collective::all_gather, in, out), true);
   }
 
   // --- reduce_scatter: in = size() * out --------------------------------------------------
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op = {}) {
-    check_scaled(collective::reduce_scatter, "in", in.size(), "out", out.size());
-    run(describe<T>(collective::reduce_scatter, out.size(), kind_of(op)), in.size_bytes(), reduce_scatter_call(in, out, op));
+    issue<collective::reduce_scatter, T>(record(collective::reduce_scatter, in, out, kind_of(op)), false, op);
   }
   template <dtype_like T, any_reduce_op Op = sum>
     requires(!std::is_const_v<T>)
   work reduce_scatter_async(std::span<const T> in, std::span<T> out, Op op = {}) {
-    check_scaled(collective::reduce_scatter, "in", in.size(), "out", out.size());
-    return submit(describe<T>(collective::reduce_scatter, out.size(), kind_of(op)), in.size_bytes(), reduce_scatter_call(in, out, op));
+    return issue<collective::reduce_scatter, T>(record(collective::reduce_scatter, in, out, kind_of(op)), true, op);
   }
 
   // --- all_to_all: equal blocks of in.size() / size() -------------------------------------
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   void all_to_all(std::span<const T> in, std::span<T> out) {
-    check_all_to_all(in.size(), out.size());
-    run(describe<T>(collective::all_to_all, in.size()), in.size_bytes(), all_to_all_call(in, out));
+    issue<collective::all_to_all, T>(record(collective::all_to_all, in, out), false);
   }
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   work all_to_all_async(std::span<const T> in, std::span<T> out) {
-    check_all_to_all(in.size(), out.size());
-    return submit(describe<T>(collective::all_to_all, in.size()), in.size_bytes(), all_to_all_call(in, out));
+    return issue<collective::all_to_all, T>(record(collective::all_to_all, in, out), true);
   }
 
   // --- barrier -------------------------------------------------------------------------------
-  void barrier() { run(barrier_desc(), 0, barrier_call()); }
-  work barrier_async() { return submit(barrier_desc(), 0, barrier_call()); }
+  // A barrier moves no elements: its record says uint8 and count 0 (what every rank's
+  // fingerprint agrees on) without record()'s dtype check, so a backend that opts out of uint8
+  // (supports_dtype_v) still has barrier().
+  void barrier() { issue<collective::barrier, std::uint8_t>(collective_call{.op = collective::barrier}, false); }
+  work barrier_async() { return issue<collective::barrier, std::uint8_t>(collective_call{.op = collective::barrier}, true); }
 
   // --- point to point (sequenced like collectives: both ranks must agree on the order) ---
   template <dtype_like T>
   void send(std::span<const T> data, int peer) {
-    check_peer(collective::send, peer);
-    run(describe<T>(collective::send, data.size()), data.size_bytes(), send_call(data, peer));
+    issue<collective::send, T>(record(collective::send, data, std::span<T>(), reduce_kind::sum, peer), false);
   }
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   void recv(std::span<T> data, int peer) {
-    check_peer(collective::recv, peer);
-    run(describe<T>(collective::recv, data.size()), data.size_bytes(), recv_call(data, peer));
+    issue<collective::recv, T>(record(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), false);
   }
   template <dtype_like T>
   work send_async(std::span<const T> data, int peer) {
-    check_peer(collective::send, peer);
-    return submit(describe<T>(collective::send, data.size()), data.size_bytes(), send_call(data, peer));
+    return issue<collective::send, T>(record(collective::send, data, std::span<T>(), reduce_kind::sum, peer), true);
   }
   template <dtype_like T>
     requires(!std::is_const_v<T>)
   work recv_async(std::span<T> data, int peer) {
-    check_peer(collective::recv, peer);
-    return submit(describe<T>(collective::recv, data.size()), data.size_bytes(), recv_call(data, peer));
+    return issue<collective::recv, T>(record(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), true);
+  }
+
+  /// Any collective as one record (what ddp::group and the data-parallel wrapper hand down): it
+  /// is checked here once, numbered, timed and given to the backend, whose takes_call_records
+  /// form receives it whole; async when `async` (the returned work then completes it).
+  work call(const collective_call& c, bool async = false)
+    requires detail::pg_takes_call_records<B>
+  {
+    check_call(c);
+    return dispatch(c.describe(), c.traffic_bytes(), [st = s_.get(), c](const collective_desc& d, deadline until) { execute_record(*st, c, d, until); },
+                    async);
   }
 
   // --- any contiguous range (std::vector, std::array, thrust::host_vector, ...) ------------
@@ -424,53 +433,130 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     return *s_;
   }
 
-  template <class T>
-  collective_desc describe(collective op, std::size_t count, reduce_kind reduction = reduce_kind::sum, int root = -1) const {
-    static_assert(supports_dtype_v<B, std::remove_cv_t<T>>, "this backend does not support the element type");
-    live();
-    return collective_desc{.seq = 0, .op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .count = count};
+  // --- one record per call, checked once ------------------------------------------------
+  template <class T, class U>
+  collective_call record(collective op, std::span<T> in, std::span<U> out, reduce_kind reduction = reduce_kind::sum, int root = -1) const {
+    using V = std::remove_cv_t<U>;
+    static_assert(supports_dtype_v<B, V>, "this backend does not support the element type");
+    return collective_call{.op = op, .type = dtype_of<V>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
+                           .out = out.data(), .out_count = out.size()};
   }
 
-  // --- argument checks --------------------------------------------------------------------
   error_context call_context(collective op) const { return {.rank = rank(), .op = std::string(to_string(op))}; }
 
-  void check_rank(collective op, const char* what, int r) const {
-    if (r < 0 || r >= live().size) {
-      throw error(errc::invalid_argument,
-                  std::string(what) + " " + std::to_string(r) + " is out of range: the group has ranks 0.." + std::to_string(live().size - 1),
-                  call_context(op));
+  // Every argument check of every collective: the root or peer, the counts, a partial overlap.
+  void check_call(const collective_call& c) const {
+    const state& s = live();
+    const auto p = static_cast<std::size_t>(s.size);
+    auto fail = [&](const std::string& why) { throw error(errc::invalid_argument, why, call_context(c.op)); };
+    auto check_scaled = [&](const char* big, std::size_t big_n, const char* small, std::size_t small_n) {
+      if (big_n != small_n * p) {
+        fail(std::string(big) + " has " + std::to_string(big_n) + " elements, expected " + small + ".size() * size() = " + std::to_string(small_n) +
+             " * " + std::to_string(p) + " = " + std::to_string(small_n * p));
+      }
+    };
+    auto check_same_size = [&] {
+      if (c.in_count != c.out_count) {
+        fail("out has " + std::to_string(c.out_count) + " elements, in has " + std::to_string(c.in_count) + ": they must be equal");
+      }
+    };
+    auto check_rank = [&](const char* what) {
+      if (c.root < 0 || c.root >= s.size) {
+        fail(std::string(what) + " " + std::to_string(c.root) + " is out of range: the group has ranks 0.." + std::to_string(s.size - 1));
+      }
+    };
+    switch (c.op) {
+      case collective::all_reduce:
+        check_same_size();
+        if (c.in != c.out && detail::pg_overlap(c.in, c.in_bytes(), c.out, c.out_bytes())) {
+          fail("in and out overlap partially: pass the same span for in-place");
+        }
+        break;
+      case collective::broadcast:
+      case collective::reduce: check_rank("root"); break;
+      case collective::all_gather: check_scaled("out", c.out_count, "in", c.in_count); break;
+      case collective::reduce_scatter: check_scaled("in", c.in_count, "out", c.out_count); break;
+      case collective::all_to_all:
+        check_same_size();
+        if (c.in_count % p != 0) {
+          fail("in has " + std::to_string(c.in_count) + " elements, not a multiple of the group size " + std::to_string(p) + " (equal blocks per rank)");
+        }
+        break;
+      case collective::send:
+      case collective::recv:
+        check_rank("peer");
+        if (c.root == s.rank) fail("peer " + std::to_string(c.root) + " is this rank itself");
+        break;
+      default: break;
     }
   }
-  void check_peer(collective op, int peer) const {
-    check_rank(op, "peer", peer);
-    if (peer == live().rank) throw error(errc::invalid_argument, "peer " + std::to_string(peer) + " is this rank itself", call_context(op));
+
+  // A blocking call runs fn now; an async one queues it.
+  template <class F>
+  work dispatch(const collective_desc& desc, std::size_t bytes, F fn, bool async) {
+    if (async) return submit(desc, bytes, std::move(fn));
+    run(desc, bytes, fn);
+    return {};
   }
-  void check_same_size(collective op, std::size_t in, std::size_t out) const {
-    if (in != out) {
-      throw error(errc::invalid_argument, "out has " + std::to_string(out) + " elements, in has " + std::to_string(in) + ": they must be equal",
-                  call_context(op));
+
+  // A record at execution time: an out-of-place all_reduce becomes in place on out, an input
+  // that overlaps the output is read from a private copy; then the backend runs it.
+  static void execute_record(state& s, collective_call c, const collective_desc& d, deadline until) {
+    std::shared_ptr<void> copy;
+    if (c.op == collective::all_reduce && c.in != c.out) {
+      copy_within(s, c.out, c.in, c.out_bytes());
+      c.in = c.out;
+    } else if ((c.op == collective::all_gather || c.op == collective::reduce_scatter || c.op == collective::all_to_all) &&
+               detail::pg_overlap(c.in, c.in_bytes(), c.out, c.out_bytes())) {
+      const auto input = unaliased(s, std::span<const std::byte>(static_cast<const std::byte*>(c.in), c.in_bytes()),
+                                   std::span<std::byte>(static_cast<std::byte*>(c.out), c.out_bytes()));
+      copy = input.owner;
+      c.in = input.data.data();
     }
+    s.backend.run(c, d, until);
   }
-  void check_scaled(collective op, const char* big, std::size_t big_n, const char* small, std::size_t small_n) const {
-    const auto p = static_cast<std::size_t>(live().size);
-    if (big_n != small_n * p) {
-      throw error(errc::invalid_argument,
-                  std::string(big) + " has " + std::to_string(big_n) + " elements, expected " + small + ".size() * size() = " +
-                      std::to_string(small_n) + " * " + std::to_string(p) + " = " + std::to_string(small_n * p),
-                  call_context(op));
-    }
-  }
-  void check_all_to_all(std::size_t in, std::size_t out) const {
-    check_same_size(collective::all_to_all, in, out);
-    const auto p = static_cast<std::size_t>(live().size);
-    if (in % p != 0) {
-      throw error(errc::invalid_argument,
-                  "in has " + std::to_string(in) + " elements, not a multiple of the group size " + std::to_string(p) + " (equal blocks per rank)",
-                  call_context(collective::all_to_all));
+
+  // The typed path: a backend without call records, or a user's own reduce op (whose operator()
+  // must run, so its type reaches the backend).
+  template <collective C, class T, class Op = sum>
+  work issue(const collective_call& c, bool async, const Op& op = {}) {
+    if constexpr (detail::pg_takes_call_records<B> && (builtin_reduce_op<Op> || std::same_as<Op, runtime_op>)) {
+      return call(c, async);
+    } else {
+      check_call(c);
+      const std::span<const T> in(static_cast<const T*>(c.in), c.in_count);
+      const std::span<T> out(static_cast<T*>(c.out), c.out_count);
+      const collective_desc desc = c.describe();
+      const std::size_t bytes = c.traffic_bytes();
+      if constexpr (C == collective::all_reduce) {
+        if (c.in == c.out) return dispatch(desc, bytes, all_reduce_call(out, op), async);
+        return dispatch(desc, bytes, all_reduce_call(in, out, op), async);
+      } else if constexpr (C == collective::broadcast) {
+        return dispatch(desc, bytes, broadcast_call(out, c.root), async);
+      } else if constexpr (C == collective::reduce) {
+        return dispatch(desc, bytes, reduce_call(out, c.root, op), async);
+      } else if constexpr (C == collective::all_gather) {
+        return dispatch(desc, bytes, all_gather_call(in, out), async);
+      } else if constexpr (C == collective::reduce_scatter) {
+        return dispatch(desc, bytes, reduce_scatter_call(in, out, op), async);
+      } else if constexpr (C == collective::all_to_all) {
+        return dispatch(desc, bytes, all_to_all_call(in, out), async);
+      } else if constexpr (C == collective::barrier) {
+        return dispatch(desc, bytes, barrier_call(), async);
+      } else if constexpr (C == collective::send) {
+        return dispatch(desc, bytes, send_call(in, c.root), async);
+      } else {
+        static_assert(C == collective::recv);
+        return dispatch(desc, bytes, recv_call(out, c.root), async);
+      }
     }
   }
 
   // --- the calls into the backend (run at execution time, with the sequenced desc) --------
+  // Each uses what the backend declares (B::capabilities), in its extended form when it declares
+  // deadlines, and otherwise the fallback that backend_capabilities documents.
+  static constexpr backend_capabilities caps = detail::pg_capabilities<B>();
+
   // ddp's own ops reach a backend that takes runtime reductions as the runtime_op of their kind:
   // one call (and one backend instantiation) per element type for the five kinds.
   template <class Op>
@@ -486,9 +572,6 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     if constexpr (as_runtime_op<Op>) {
       return all_reduce_call(in, out, runtime_op{Op::kind});
     } else {
-      if (in.data() != out.data() && detail::pg_overlap(in, out)) {
-        throw error(errc::invalid_argument, "in and out overlap partially: pass the same span for in-place", call_context(collective::all_reduce));
-      }
       return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
         if (in.data() != out.data()) copy_within(*st, out.data(), in.data(), in.size_bytes());
         backend_all_reduce(*st, out, op, d, until);
@@ -497,24 +580,26 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   }
   template <class T, class Op>
   static void backend_all_reduce(state& s, std::span<T> data, Op op, const collective_desc& d, deadline until) {
-    if constexpr (detail::pg_ext_all_reduce<B, T, Op>) s.backend.all_reduce(data, op, d, until);
+    if constexpr (caps.deadlines) s.backend.all_reduce(data, op, d, until);
     else s.backend.all_reduce(data, op);
+  }
+  template <class T>
+  static void backend_broadcast(state& s, std::span<T> data, int root, const collective_desc& d, deadline until) {
+    if constexpr (caps.deadlines) s.backend.broadcast(data, root, d, until);
+    else s.backend.broadcast(data, root);
   }
 
   template <class T>
   auto broadcast_call(std::span<T> data, int root) {
-    return [st = s_.get(), data, root](const collective_desc& d, deadline until) {
-      if constexpr (detail::pg_ext_broadcast<B, T>) st->backend.broadcast(data, root, d, until);
-      else st->backend.broadcast(data, root);
-    };
+    return [st = s_.get(), data, root](const collective_desc& d, deadline until) { backend_broadcast(*st, data, root, d, until); };
   }
 
   template <class T, class Op>
   auto reduce_call(std::span<T> data, int root, Op op) {
     if constexpr (as_runtime_op<Op>) return reduce_call(data, root, runtime_op{Op::kind});
     else return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
-      if constexpr (detail::pg_ext_reduce<B, T, Op>) st->backend.reduce(data, root, op, d, until);
-      else if constexpr (detail::pg_plain_reduce<B, T, Op>) st->backend.reduce(data, root, op);
+      if constexpr (caps.reduce && caps.deadlines) st->backend.reduce(data, root, op, d, until);
+      else if constexpr (caps.reduce) st->backend.reduce(data, root, op);
       else {
         (void)root;  // every rank gets the result: a valid reduce
         backend_all_reduce(*st, data, op, d, until);
@@ -522,13 +607,25 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     };
   }
 
+  template <class T, class V>
+  static void backend_all_gather(state& s, std::span<const T> in, std::span<V> out, const collective_desc& d, deadline until) {
+    if constexpr (caps.all_gather && caps.deadlines) {
+      s.backend.all_gather(in, out, d, until);
+    } else if constexpr (caps.all_gather) {
+      s.backend.all_gather(in, out);
+    } else {
+      // One broadcast from each rank in turn, straight into its block of out.
+      const std::size_t n = in.size();
+      if (!in.empty()) copy_within(s, out.data() + static_cast<std::size_t>(s.rank) * n, in.data(), in.size_bytes());
+      for (int r = 0; r < s.size; ++r) backend_broadcast(s, out.subspan(static_cast<std::size_t>(r) * n, n), r, d, until);
+    }
+  }
+
   template <class T>
   auto all_gather_call(std::span<const T> in, std::span<T> out) {
     return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
       const auto input = unaliased(*st, in, out);  // e.g. in is this rank's slice of out
-      const std::span<const T> src = input.data;
-      if constexpr (detail::pg_ext_all_gather<B, T>) st->backend.all_gather(src, out, d, until);
-      else st->backend.all_gather(src, out);
+      backend_all_gather(*st, std::span<const T>(input.data), out, d, until);
     };
   }
 
@@ -536,10 +633,25 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   auto reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
     if constexpr (as_runtime_op<Op>) return reduce_scatter_call(in, out, runtime_op{Op::kind});
     else return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
-      const auto input = unaliased(*st, in, out);
-      const std::span<const T> src = input.data;
-      if constexpr (detail::pg_ext_reduce_scatter<B, T, Op>) st->backend.reduce_scatter(src, out, op, d, until);
-      else st->backend.reduce_scatter(src, out, op);
+      if constexpr (caps.reduce_scatter) {
+        const auto input = unaliased(*st, in, out);
+        const std::span<const T> src = input.data;
+        if constexpr (caps.deadlines) st->backend.reduce_scatter(src, out, op, d, until);
+        else st->backend.reduce_scatter(src, out, op);
+      } else {
+        // The whole input reduced on every rank (a copy: the input stays untouched), then this
+        // rank's block of it.
+        static_assert(B::memory == memory_space::host || (detail::pg_has_allocate<B, T> && detail::pg_has_copy_memory<B>),
+                      "a device-memory backend without reduce_scatter provides allocate<T>(n) and copy_memory(dst, src, bytes)");
+        using V = std::remove_cv_t<T>;
+        auto whole = [&] {
+          if constexpr (B::memory == memory_space::device) return st->backend.template allocate<V>(in.size());
+          else return std::vector<V>(in.size());
+        }();
+        copy_within(*st, whole.data(), in.data(), in.size_bytes());
+        backend_all_reduce(*st, std::span<V>(whole.data(), in.size()), op, d, until);
+        copy_within(*st, out.data(), whole.data() + static_cast<std::size_t>(st->rank) * out.size(), out.size_bytes());
+      }
     };
   }
 
@@ -549,9 +661,9 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
       using V = std::remove_cv_t<T>;
       const auto input = unaliased(*st, in, out);
       const std::span<const T> src = input.data;
-      if constexpr (detail::pg_ext_all_to_all<B, T>) {
+      if constexpr (caps.all_to_all && caps.deadlines) {
         st->backend.all_to_all(src, out, d, until);
-      } else if constexpr (detail::pg_plain_all_to_all<B, T>) {
+      } else if constexpr (caps.all_to_all) {
         st->backend.all_to_all(src, out);
       } else {
         // Through all_gather: p times the traffic, but any backend can do it.
@@ -559,8 +671,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
         const std::size_t block = src.size() / p;
         const auto me = static_cast<std::size_t>(st->rank);
         std::vector<V> everything(src.size() * p);
-        if constexpr (detail::pg_ext_all_gather<B, T>) st->backend.all_gather(src, std::span<V>(everything), d, until);
-        else st->backend.all_gather(src, std::span<V>(everything));
+        backend_all_gather(*st, src, std::span<V>(everything), d, until);
         for (std::size_t j = 0; j < p; ++j) {
           std::copy_n(everything.begin() + static_cast<std::ptrdiff_t>(j * src.size() + me * block), block,
                       out.begin() + static_cast<std::ptrdiff_t>(j * block));
@@ -569,40 +680,46 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     };
   }
 
-  // A barrier moves no elements: its description says uint8 and count 0 (what every rank's
-  // fingerprint agrees on) without describe()'s check, so a backend that opts out of uint8
-  // (supports_dtype_v) still has barrier().
-  collective_desc barrier_desc() const {
-    live();
-    return collective_desc{.seq = 0, .op = collective::barrier, .type = dtype::uint8, .count = 0};
-  }
   auto barrier_call() {
     return [st = s_.get()](const collective_desc& d, deadline until) {
-      if constexpr (detail::pg_ext_barrier<B>) st->backend.barrier(d, until);
-      else st->backend.barrier();
+      if constexpr (caps.barrier && caps.deadlines) {
+        st->backend.barrier(d, until);
+      } else if constexpr (caps.barrier) {
+        st->backend.barrier();
+      } else {
+        // One element of the first type the backend takes, summed.
+        using V = std::conditional_t<supports_dtype_v<B, float>, float, std::conditional_t<supports_dtype_v<B, std::int32_t>, std::int32_t, double>>;
+        static_assert(B::memory == memory_space::host || detail::pg_has_allocate<B, V>,
+                      "a device-memory backend without barrier provides allocate<T>(n)");
+        auto one = [&] {
+          if constexpr (B::memory == memory_space::device) return st->backend.template allocate<V>(1);
+          else return std::vector<V>(1);
+        }();
+        backend_all_reduce(*st, std::span<V>(one.data(), 1), sum{}, d, until);
+      }
     };
   }
 
   template <class T>
   auto send_call(std::span<const T> data, int peer) {
-    if constexpr (!detail::pg_ext_send<B, T> && !detail::pg_plain_send<B, T>) {
+    if constexpr (!caps.send_recv) {
       throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::send));
       return [](const collective_desc&, deadline) {};  // never reached; gives the function its type
     } else {
       return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
-        if constexpr (detail::pg_ext_send<B, T>) st->backend.send(data, peer, d, until);
+        if constexpr (caps.deadlines) st->backend.send(data, peer, d, until);
         else st->backend.send(data, peer);
       };
     }
   }
   template <class T>
   auto recv_call(std::span<T> data, int peer) {
-    if constexpr (!detail::pg_ext_recv<B, T> && !detail::pg_plain_recv<B, T>) {
+    if constexpr (!caps.send_recv) {
       throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::recv));
       return [](const collective_desc&, deadline) {};  // never reached; gives the function its type
     } else {
       return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
-        if constexpr (detail::pg_ext_recv<B, T>) st->backend.recv(data, peer, d, until);
+        if constexpr (caps.deadlines) st->backend.recv(data, peer, d, until);
         else st->backend.recv(data, peer);
       };
     }
@@ -630,12 +747,13 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     if (!detail::pg_overlap(in, out)) return {nullptr, in};
     using V = std::remove_cv_t<T>;
     if constexpr (B::memory == memory_space::device) {
-      static_assert(detail::pg_has_allocate<B, V> && detail::pg_has_copy_memory<B>,
+      using A = std::conditional_t<std::is_same_v<V, std::byte>, std::uint8_t, V>;  // a record's bytes
+      static_assert(detail::pg_has_allocate<B, A> && detail::pg_has_copy_memory<B>,
                     "a device-memory backend provides allocate<T>(n) and copy_memory(dst, src, bytes)");
-      using buffer = decltype(s.backend.template allocate<V>(in.size()));
-      auto owned = std::make_shared<buffer>(s.backend.template allocate<V>(in.size()));
+      using buffer = decltype(s.backend.template allocate<A>(in.size()));
+      auto owned = std::make_shared<buffer>(s.backend.template allocate<A>(in.size()));
       copy_within(s, owned->data(), in.data(), in.size_bytes());
-      return {owned, std::span<const T>(owned->data(), in.size())};
+      return {owned, std::span<const T>(reinterpret_cast<const T*>(owned->data()), in.size())};
     } else {
       (void)s;
       auto owned = std::make_shared<std::vector<V>>(in.begin(), in.end());

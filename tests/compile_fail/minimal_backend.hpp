@@ -12,10 +12,5 @@ struct minimal_backend {
   void all_reduce(std::span<T>, Op) {}
   template <ddp::dtype_like T>
   void broadcast(std::span<T>, int) {}
-  template <ddp::dtype_like T>
-  void all_gather(std::span<const T>, std::span<T>) {}
-  template <ddp::dtype_like T, class Op>
-  void reduce_scatter(std::span<const T>, std::span<T>, Op) {}
-  void barrier() {}
   void abort() noexcept {}
 };

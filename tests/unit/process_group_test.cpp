@@ -58,11 +58,16 @@ struct local_world {
 };
 
 // Extended = the (..., collective_desc, deadline) signatures, with a fingerprint check across ranks.
-template <bool Extended>
+// Minimal = only what ddp::backend requires (rank, size, all_reduce, broadcast, abort): the
+// other collectives come from process_group's fallbacks.
+template <bool Extended, bool Minimal = false>
 class local_backend {
  public:
   static constexpr ddp::memory_space memory = ddp::memory_space::host;
-  static constexpr std::string_view name = Extended ? "local-extended" : "local";
+  static constexpr std::string_view name = Minimal ? "local-minimal" : Extended ? "local-extended" : "local";
+  static constexpr ddp::backend_capabilities capabilities =
+      Minimal ? ddp::backend_capabilities{}
+              : ddp::backend_capabilities{.deadlines = Extended, .all_gather = true, .reduce_scatter = true, .barrier = true, .reduce = !Extended};
 
   local_backend(std::shared_ptr<local_world> world, int rank) : world_(std::move(world)), rank_(rank) {}
   int rank() const { return rank_; }
@@ -81,24 +86,31 @@ class local_backend {
     if (!data.empty()) std::memcpy(data.data(), all[static_cast<std::size_t>(root)].data(), data.size_bytes());
   }
   template <ddp::dtype_like T, ddp::reduce_op Op>
+    requires(!Minimal)
   void reduce(std::span<T> data, int root, Op op) {
     auto all = exchange(std::as_bytes(data), {});
     if (rank_ == root)
       for (std::size_t i = 0; i < data.size(); ++i) data[i] = combine<T>(all, i, op);
   }
   template <ddp::dtype_like T>
+    requires(!Minimal)
   void all_gather(std::span<const T> in, std::span<T> out) {
     auto all = exchange(std::as_bytes(in), {});
     for (std::size_t r = 0; r < all.size(); ++r)
       if (!in.empty()) std::memcpy(out.data() + r * in.size(), all[r].data(), in.size_bytes());
   }
   template <ddp::dtype_like T, ddp::reduce_op Op>
+    requires(!Minimal)
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op) {
     auto all = exchange(std::as_bytes(in), {});
     const std::size_t offset = static_cast<std::size_t>(rank_) * out.size();
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = combine<T>(all, offset + i, op);
   }
-  void barrier() { exchange({}, {}); }
+  void barrier()
+    requires(!Minimal)
+  {
+    exchange({}, {});
+  }
   void abort() noexcept {
     {
       std::lock_guard lock(world_->mutex);
@@ -199,6 +211,7 @@ class local_backend {
 
 static_assert(ddp::backend<local_backend<false>>);
 static_assert(ddp::backend<local_backend<true>>);
+static_assert(ddp::backend<local_backend<false, true>>);
 static_assert(ddp::detail::pg_enforces_deadlines<local_backend<true>>);
 static_assert(!ddp::detail::pg_enforces_deadlines<local_backend<false>>);
 
@@ -208,10 +221,10 @@ void check(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error("check failed: " + what);
 }
 
-template <bool Extended = false>
-ddp::process_group<local_backend<Extended>> make_group(const std::shared_ptr<local_world>& world, int rank,
-                                                       std::chrono::milliseconds timeout = 30s) {
-  return ddp::process_group<local_backend<Extended>>(local_backend<Extended>(world, rank), {.timeout = timeout});
+template <bool Extended = false, bool Minimal = false>
+ddp::process_group<local_backend<Extended, Minimal>> make_group(const std::shared_ptr<local_world>& world, int rank,
+                                                                std::chrono::milliseconds timeout = 30s) {
+  return ddp::process_group<local_backend<Extended, Minimal>>(local_backend<Extended, Minimal>(world, rank), {.timeout = timeout});
 }
 
 // Value of element i on rank r: small integers, exact in every dtype (uint8 products stay < 256).
@@ -236,12 +249,12 @@ double reference(ddp::reduce_kind k, int p, std::size_t i, bool integral) {
   return acc;
 }
 
-template <class T, bool Erased = false>
+template <class T, bool Erased = false, bool Minimal = false>
 void all_collectives(int p) {
   auto world = std::make_shared<local_world>(p);
   constexpr bool integral = std::is_integral_v<T>;
   run_threads(p, [&](int rank) {
-    auto typed = make_group(world, rank);
+    auto typed = make_group<false, Minimal>(world, rank);
     auto g = [&] {
       if constexpr (Erased) return ddp::group(std::move(typed));
       else return std::move(typed);
@@ -307,6 +320,15 @@ TEMPLATE_TEST_CASE("process_group: every collective, every dtype, p = 1..4", "[p
   for (int p = 1; p <= 4; ++p) {
     INFO("p = " << p);
     all_collectives<TestType>(p);
+  }
+}
+
+TEMPLATE_TEST_CASE("process_group over a minimal backend (rank, size, all_reduce, broadcast, abort): every collective, every dtype, p = 1..4",
+                   "[process_group]", float, double, ddp::float16, ddp::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
+  for (int p = 1; p <= 4; ++p) {
+    INFO("p = " << p);
+    all_collectives<TestType, false, true>(p);
+    all_collectives<TestType, true, true>(p);
   }
 }
 

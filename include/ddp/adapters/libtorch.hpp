@@ -125,7 +125,7 @@ template <class F>
 decltype(auto) visit_tensor(const at::Tensor& t, F&& f) {
   if (!t.defined()) throw error(errc::invalid_argument, "visit_tensor: undefined tensor");
   const dtype d = detail::torch_dtype_or_throw(t, "visit_tensor: the tensor");
-  return detail::visit_dtype(d, [&](auto tag) -> decltype(auto) {
+  return visit_dtype(d, [&](auto tag) -> decltype(auto) {
     using T = typename decltype(tag)::type;
     return f(tensor_span<T>(t));
   });

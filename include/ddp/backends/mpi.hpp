@@ -118,6 +118,8 @@ class mpi_backend {
   static constexpr memory_space memory = memory_space::host;
   /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
   static constexpr bool runtime_reductions = true;
+  /// Every collective, each with the call's fingerprint and deadline.
+  static constexpr backend_capabilities capabilities = all_capabilities;
 
   /// Works on a duplicate of `comm`, so its traffic never mixes with the user's.
   explicit mpi_backend(MPI_Comm comm = MPI_COMM_WORLD, mpi_options options = {}) : options_(options) {

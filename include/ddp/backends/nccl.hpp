@@ -127,6 +127,8 @@ class nccl_backend {
   static constexpr memory_space memory = memory_space::device;
   /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
   static constexpr bool runtime_reductions = true;
+  /// Every collective, each with the call's fingerprint and deadline.
+  static constexpr backend_capabilities capabilities = all_capabilities;
   static constexpr bool natively_async = true;
 
   nccl_backend(store::store& rendezvous, int rank, int size, nccl_options options = {},

@@ -1,7 +1,7 @@
 #pragma once
 // ddp::ring_backend: collectives on host memory among processes, over shared memory when every
-// rank is on this host and over TCP otherwise. Models ddp::backend, with the extended
-// signatures (collective_desc + deadline) that process_group uses.
+// rank is on this host and over TCP otherwise. Models ddp::backend; process_group hands it each
+// call as one ddp::collective_call (run()), and a user's own reduce op through the typed forms.
 //
 // Transport choice (ring_options::transport):
 //   automatic  every rank publishes its host identity (hostname + /proc/sys/kernel/random/boot_id,
@@ -151,8 +151,12 @@ class ring_backend {
  public:
   static constexpr memory_space memory = memory_space::host;
   static constexpr std::string_view name = "ring";
-  /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
+  /// Reducing collectives take a ddp::runtime_op as well as the static ops.
   static constexpr bool runtime_reductions = true;
+  /// process_group hands every call of ddp's own reductions to run() as one record ...
+  static constexpr bool takes_call_records = true;
+  /// ... and a user's own reduce op to these typed forms, with the fingerprint and deadline.
+  static constexpr backend_capabilities capabilities{.deadlines = true, .reduce_scatter = true, .reduce = true};
 
   /// Collective over the ranks: each constructs one with the same store, size and options.
   /// `store` may be null for a world of one.
@@ -243,7 +247,45 @@ class ring_backend {
   }
   const ring_options& options() const noexcept { return s_->options; }
 
-  // --- the extended interface (process_group passes its fingerprint and deadline) ------------
+  /// One collective as a record (process_group has checked it; in place for all_reduce,
+  /// broadcast and reduce). The data-movement collectives reach the communicators as bytes; the
+  /// reducing ones as a span of their element type, the one place a record's dtype becomes a
+  /// type again (the reduction loops), with the reduction as a runtime_op.
+  void run(const collective_call& c, const collective_desc& d, deadline dl) {
+    const std::span<const std::byte> in(static_cast<const std::byte*>(c.in), c.in_bytes());
+    const std::span<std::byte> out(static_cast<std::byte*>(c.out), c.out_bytes());
+    const runtime_op op{c.reduction};
+    switch (c.op) {
+      case collective::all_reduce:
+        return visit_dtype(c.type, [&](auto tag) {
+          using T = typename decltype(tag)::type;
+          with([&](auto& comm) { comm.all_reduce(std::span<T>(static_cast<T*>(c.out), c.out_count), op, d, dl); });
+        });
+      case collective::reduce:
+        return visit_dtype(c.type, [&](auto tag) {
+          using T = typename decltype(tag)::type;
+          with([&](auto& comm) { comm.reduce(std::span<T>(static_cast<T*>(c.out), c.out_count), c.root, op, d, dl); });
+        });
+      case collective::reduce_scatter:
+        return visit_dtype(c.type, [&](auto tag) {
+          using T = typename decltype(tag)::type;
+          with([&](auto& comm) {
+            comm.reduce_scatter(std::span<const T>(static_cast<const T*>(c.in), c.in_count), std::span<T>(static_cast<T*>(c.out), c.out_count), op, d, dl);
+          });
+        });
+      case collective::broadcast: return with([&](auto& comm) { comm.broadcast(out, c.root, d, dl); });
+      case collective::all_gather: return with([&](auto& comm) { comm.all_gather(in, out, d, dl); });
+      case collective::all_to_all: return with([&](auto& comm) { comm.all_to_all(in, out, d, dl); });
+      case collective::barrier: return with([&](auto& comm) { comm.barrier(d, dl); });
+      case collective::send: return with([&](auto& comm) { comm.send(in, c.root, d, dl); });
+      case collective::recv: return with([&](auto& comm) { comm.recv(out, c.root, d, dl); });
+      case collective::gather:
+      case collective::scatter: break;
+    }
+    throw error(errc::unavailable, std::string(to_string(c.op)) + " is not offered by the ring backend", d.context(s_->rank));
+  }
+
+  // --- typed forms: a user's own reduce op (whose operator() must run) and direct use -------
   // ddp's own ops run as the runtime_op of their kind (builtin_reduce_op): the reducing
   // collectives compile once for the five kinds.
   template <dtype_like T, builtin_reduce_op Op>
@@ -255,8 +297,6 @@ class ring_backend {
   void all_reduce(std::span<T> data, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.all_reduce(data, op, d, dl); });
   }
-  // The data-movement collectives reach the communicators as bytes (see movable_element):
-  // compiled once for every element type; d still names the caller's type and count.
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.broadcast(std::as_writable_bytes(data), root, d, dl); });
@@ -270,11 +310,6 @@ class ring_backend {
   void reduce(std::span<T> data, int root, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.reduce(data, root, op, d, dl); });
   }
-  template <dtype_like T>
-  void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
-    algo::check_all_gather_counts(in.size(), out.size(), s_->size, d, s_->rank);
-    with([&](auto& c) { c.all_gather(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
-  }
   template <dtype_like T, builtin_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op, const collective_desc& d, deadline dl) {
     reduce_scatter(in, out, runtime_op{Op::kind}, d, dl);
@@ -284,24 +319,8 @@ class ring_backend {
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& d, deadline dl) {
     with([&](auto& c) { c.reduce_scatter(in, out, op, d, dl); });
   }
-  template <dtype_like T>
-  void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& d, deadline dl) {
-    algo::check_all_to_all_counts(in.size(), out.size(), s_->size, d, s_->rank);
-    with([&](auto& c) { c.all_to_all(std::as_bytes(in), std::as_writable_bytes(out), d, dl); });
-  }
-  void barrier(const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.barrier(d, dl); });
-  }
-  template <dtype_like T>
-  void send(std::span<const T> data, int peer, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.send(std::as_bytes(data), peer, d, dl); });
-  }
-  template <dtype_like T>
-  void recv(std::span<T> data, int peer, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.recv(std::as_writable_bytes(data), peer, d, dl); });
-  }
 
-  // --- the plain interface (used directly, without process_group): own sequence, set-up timeout
+  // Without process_group (the ddp::backend concept): a sequence of its own, the set-up timeout.
   template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op) {
     all_reduce(data, op, next<T>(collective::all_reduce, data.size(), kind_of(op)), plain_deadline());
@@ -314,26 +333,9 @@ class ring_backend {
   void reduce(std::span<T> data, int root, Op op) {
     reduce(data, root, op, next<T>(collective::reduce, data.size(), kind_of(op), root), plain_deadline());
   }
-  template <dtype_like T>
-  void all_gather(std::span<const T> in, std::span<T> out) {
-    all_gather(in, out, next<T>(collective::all_gather, in.size()), plain_deadline());
-  }
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op) {
     reduce_scatter(in, out, op, next<T>(collective::reduce_scatter, out.size(), kind_of(op)), plain_deadline());
-  }
-  template <dtype_like T>
-  void all_to_all(std::span<const T> in, std::span<T> out) {
-    all_to_all(in, out, next<T>(collective::all_to_all, in.size()), plain_deadline());
-  }
-  void barrier() { barrier(next<std::uint8_t>(collective::barrier, 0), plain_deadline()); }
-  template <dtype_like T>
-  void send(std::span<const T> data, int peer) {
-    send(data, peer, next<T>(collective::send, data.size()), plain_deadline());
-  }
-  template <dtype_like T>
-  void recv(std::span<T> data, int peer) {
-    recv(data, peer, next<T>(collective::recv, data.size()), plain_deadline());
   }
 
   /// n zero-filled elements; shared with the same-host ranks when on shared memory. On shared
@@ -521,7 +523,5 @@ class ring_backend {
 };
 
 static_assert(backend<ring_backend>);
-static_assert(backend_with_send_recv<ring_backend>);
-static_assert(backend_with_all_to_all<ring_backend>);
 
 }  // namespace ddp

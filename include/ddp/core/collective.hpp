@@ -71,6 +71,54 @@ struct collective_desc {
   friend constexpr bool operator==(const collective_desc&, const collective_desc&) = default;
 };
 
+/// One collective call as data: what process_group builds from a typed call, checks once, and
+/// hands whole to a backend that declares `takes_call_records` (see ddp/core/concepts.hpp).
+/// Buffers are untyped; `type` says what they hold. The collectives that work in place
+/// (all_reduce, broadcast, reduce) use `out` only; `root` is the root of broadcast and reduce and
+/// the peer of send and recv (-1 otherwise). Counts are elements, as the user gave them.
+struct collective_call {
+  collective op = collective::barrier;
+  dtype type = dtype::uint8;
+  reduce_kind reduction = reduce_kind::sum;
+  std::int32_t root = -1;
+  const void* in = nullptr;
+  std::size_t in_count = 0;
+  void* out = nullptr;
+  std::size_t out_count = 0;
+
+  std::size_t in_bytes() const noexcept { return in_count * size_of(type); }
+  std::size_t out_bytes() const noexcept { return out_count * size_of(type); }
+
+  /// The fingerprint every rank compares (sequence 0 until the group numbers it): the count is
+  /// the per-rank slice of all_gather and reduce_scatter, the peer of send/recv is left out
+  /// (the two ends name different peers).
+  constexpr collective_desc describe() const noexcept {
+    collective_desc d{.seq = 0, .op = op, .type = type, .reduction = reduction, .root = -1, .count = 0};
+    switch (op) {
+      case collective::all_gather:
+      case collective::all_to_all:
+      case collective::send: d.count = in_count; break;
+      case collective::barrier: d.type = dtype::uint8; break;
+      default: d.count = out_count; break;
+    }
+    if (d.has_root()) d.root = root;
+    if (!d.has_reduction()) d.reduction = reduce_kind::sum;
+    return d;
+  }
+
+  /// The statistics' size of the call (nccl-tests' "size"): the data of all_reduce, broadcast,
+  /// reduce, send and recv, the output of all_gather, the input of reduce_scatter and all_to_all.
+  std::size_t traffic_bytes() const noexcept {
+    switch (op) {
+      case collective::reduce_scatter:
+      case collective::all_to_all:
+      case collective::send: return in_bytes();
+      case collective::barrier: return 0;
+      default: return out_bytes();
+    }
+  }
+};
+
 /// A fixed 32-byte, little-endian wire form of collective_desc, with a magic so garbage is recognized.
 struct wire_header {
   static constexpr std::uint32_t magic_value = 0x44445043;  // "CPDD"

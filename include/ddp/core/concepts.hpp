@@ -29,37 +29,53 @@ enum class memory_space : std::uint8_t { host, device };
 
 constexpr std::string_view to_string(memory_space m) noexcept { return m == memory_space::host ? "host" : "device"; }
 
-/// A collective backend. Collectives are templates over the element type and the op; the
-/// concept checks them for float32 and sum, and ddp::supports_dtype_v / supports_op_v
-/// say what else a backend accepts (default: every dtype and op).
+/// A collective backend: at least rank(), size(), `B::memory` (the memory space its spans
+/// point into), all_reduce, broadcast and abort(). Collectives are templates over the element
+/// type and the op; the concept checks them for float32 and sum, and ddp::supports_dtype_v /
+/// supports_op_v say what else a backend accepts (default: every dtype and op). What it has
+/// beyond that it declares in `B::capabilities` (ddp::backend_capabilities); process_group
+/// supplies the rest from all_reduce and broadcast.
 ///
-/// `B::memory` names the memory space its spans point into. A backend whose operations are
-/// natively asynchronous (stream-ordered, e.g. NCCL) sets `static constexpr bool natively_async = true`.
-/// abort() must be noexcept, must not block, and must make every blocked call of the
-/// backend return with a ddp::error promptly: process_group calls it when a deadline expires.
+/// A backend whose operations are natively asynchronous (stream-ordered, e.g. NCCL) sets
+/// `static constexpr bool natively_async = true`. abort() must be noexcept, must not block, and
+/// must make every blocked call of the backend return with a ddp::error promptly:
+/// process_group calls it when a deadline expires.
 template <class B>
-concept backend = requires(B& b, const B& cb, std::span<float> data, std::span<const float> in, int root) {
+concept backend = requires(B& b, const B& cb, std::span<float> data, int root) {
   { cb.rank() } -> std::convertible_to<int>;
   { cb.size() } -> std::convertible_to<int>;
   { B::memory } -> std::convertible_to<memory_space>;
   b.all_reduce(data, sum{});
   b.broadcast(data, root);
-  b.all_gather(in, data);
-  b.reduce_scatter(in, data, sum{});
-  b.barrier();
   { b.abort() } noexcept;
 };
 
-/// Optional capabilities of a backend.
-template <class B>
-concept backend_with_send_recv = backend<B> && requires(B& b, std::span<float> data, std::span<const float> in, int peer) {
-  b.send(in, peer);
-  b.recv(data, peer);
+/// What a backend declares it has beyond ddp::backend, as
+/// `static constexpr ddp::backend_capabilities capabilities{.all_gather = true, ...};`.
+/// process_group uses exactly what is declared, and a declared member that does not compile
+/// with the documented signature is a static_assert naming it (never a silent fallback).
+/// Without a declaration (or for what is not declared) it falls back to:
+///   all_gather      one broadcast from each rank in turn;
+///   reduce_scatter  an all_reduce of a copy of the input, of which this rank keeps its block;
+///   barrier         an all_reduce of one element;
+///   reduce          all_reduce (every rank gets the result);
+///   all_to_all      all_gather (p times the traffic);
+///   send / recv     none: group.send is errc::unavailable.
+struct backend_capabilities {
+  /// Every collective it has also takes (..., const ddp::collective_desc&, ddp::deadline): it
+  /// gets the call's fingerprint and enforces the deadline itself (the watchdog only backs it up).
+  bool deadlines = false;
+  bool all_gather = false;      // all_gather(std::span<const T> in, std::span<T> out)
+  bool reduce_scatter = false;  // reduce_scatter(std::span<const T> in, std::span<T> out, Op)
+  bool barrier = false;         // barrier()
+  bool reduce = false;          // reduce(std::span<T>, int root, Op)
+  bool all_to_all = false;      // all_to_all(std::span<const T> in, std::span<T> out)
+  bool send_recv = false;       // send(std::span<const T>, int peer), recv(std::span<T>, int peer)
 };
-template <class B>
-concept backend_with_all_to_all = backend<B> && requires(B& b, std::span<float> out, std::span<const float> in) {
-  b.all_to_all(in, out);
-};
+
+/// Every capability: what the built-in backends declare.
+inline constexpr backend_capabilities all_capabilities{
+    .deadlines = true, .all_gather = true, .reduce_scatter = true, .barrier = true, .reduce = true, .all_to_all = true, .send_recv = true};
 
 template <class B, class T> inline constexpr bool supports_dtype_v = dtype_like<T>;
 template <class B, class Op> inline constexpr bool supports_op_v = reduce_op<Op>;

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
 
 namespace ddp {
 
@@ -144,6 +145,22 @@ concept dtype_like = requires { dtype_traits<std::remove_cv_t<T>>::value; };
 
 template <dtype_like T>
 inline constexpr dtype dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
+
+/// f(std::type_identity<T>{}) for the element type that `t` names: where a record's runtime
+/// dtype becomes a type again (the reduction loops).
+template <class F>
+constexpr decltype(auto) visit_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::float32: return f(std::type_identity<float>{});
+    case dtype::float64: return f(std::type_identity<double>{});
+    case dtype::float16: return f(std::type_identity<float16>{});
+    case dtype::bfloat16: return f(std::type_identity<bfloat16>{});
+    case dtype::int32: return f(std::type_identity<std::int32_t>{});
+    case dtype::int64: return f(std::type_identity<std::int64_t>{});
+    case dtype::uint8: break;
+  }
+  return f(std::type_identity<std::uint8_t>{});
+}
 
 /// What the data-movement collectives (broadcast, all_gather, all_to_all, send, recv) of the
 /// algorithms take: an element type, or std::byte for a call of any element type moved as its

@@ -1,11 +1,12 @@
 #pragma once
 // The run-time interface behind ddp::group and its implementation over a process_group<B>.
 //
-// A call crosses the interface as (collective, dtype, reduce_kind, pointers, counts, root);
-// the model switches on dtype and reduce_kind back to the typed process_group call, so the
-// argument checks, sequencing and async queue are exactly those of process_group. A backend
-// that declares `runtime_reductions` gets the reduction as a ddp::runtime_op instead of a
-// switch over the five static ops: each reducing collective is then compiled once per dtype.
+// A call crosses the interface as one ddp::collective_call. For a backend that takes call
+// records (ring, MPI, NCCL) the model hands it to process_group::call as it is: no type is
+// recovered above the backend's own reduction loops. For any other backend it switches on dtype
+// and reduce_kind back to the typed process_group call (a backend that declares
+// `runtime_reductions` gets a ddp::runtime_op instead of a switch over the five static ops), so
+// the argument checks, sequencing and async queue are exactly those of process_group.
 
 #include <cstddef>
 #include <memory>
@@ -25,33 +26,6 @@
 
 namespace ddp::detail {
 
-template <class F>
-decltype(auto) pg_visit_dtype(dtype t, F&& f) {
-  switch (t) {
-    case dtype::float32: return f(std::type_identity<float>{});
-    case dtype::float64: return f(std::type_identity<double>{});
-    case dtype::float16: return f(std::type_identity<float16>{});
-    case dtype::bfloat16: return f(std::type_identity<bfloat16>{});
-    case dtype::int32: return f(std::type_identity<std::int32_t>{});
-    case dtype::int64: return f(std::type_identity<std::int64_t>{});
-    case dtype::uint8: break;
-  }
-  return f(std::type_identity<std::uint8_t>{});
-}
-
-/// One call, type-erased. `root` is the root of rooted collectives and the peer of send/recv;
-/// in == out (same pointer) means in place.
-struct pg_erased_call {
-  collective op = collective::barrier;
-  dtype type = dtype::float32;
-  reduce_kind reduction = reduce_kind::sum;
-  const void* in = nullptr;
-  std::size_t in_count = 0;
-  void* out = nullptr;
-  std::size_t out_count = 0;
-  int root = -1;
-};
-
 class pg_group_interface {
  public:
   virtual ~pg_group_interface() = default;
@@ -59,7 +33,7 @@ class pg_group_interface {
   virtual int size() const noexcept = 0;
   virtual std::string_view backend_name() const noexcept = 0;
   virtual memory_space memory() const noexcept = 0;
-  virtual work call(const pg_erased_call& c, bool async) = 0;
+  virtual work call(const collective_call& c, bool async) = 0;
   virtual std::chrono::milliseconds timeout() const = 0;
   virtual void set_timeout(std::chrono::milliseconds t) = 0;
   virtual std::uint64_t next_sequence() const = 0;
@@ -96,7 +70,7 @@ class pg_group_model final : public pg_group_interface {
   }
 
   std::shared_ptr<void> allocate(dtype type, std::size_t n, void** data, bool* shared) override {
-    return pg_visit_dtype(type, [&](auto tag) -> std::shared_ptr<void> {
+    return visit_dtype(type, [&](auto tag) -> std::shared_ptr<void> {
       using T = typename decltype(tag)::type;
       using buffer = decltype(group_.template allocate<T>(n));
       auto holder = std::make_shared<buffer>(group_.template allocate<T>(n));
@@ -109,27 +83,31 @@ class pg_group_model final : public pg_group_interface {
 
   void copy_memory(void* dst, const void* src, std::size_t bytes) override { group_.copy_memory(dst, src, bytes); }
 
-  work call(const pg_erased_call& c, bool async) override {
-    if (c.op == collective::barrier) {  // moves no elements: whatever dtypes the backend supports
-      if (async) return group_.barrier_async();
-      group_.barrier();
-      return {};
-    }
-    return pg_visit_dtype(c.type, [&](auto tag) -> work {
-      using T = typename decltype(tag)::type;
-      if constexpr (!supports_dtype_v<B, T>) {
-        throw error(errc::invalid_argument,
-                    "backend '" + std::string(backend_name()) + "' does not support " + std::string(to_string(c.type)),
-                    {.rank = rank(), .op = std::string(to_string(c.op))});
-      } else {
-        return typed<T>(c, async);
+  work call(const collective_call& c, bool async) override {
+    if constexpr (pg_takes_call_records<B>) {
+      return group_.call(c, async);
+    } else {
+      if (c.op == collective::barrier) {  // moves no elements: whatever dtypes the backend supports
+        if (async) return group_.barrier_async();
+        group_.barrier();
+        return {};
       }
-    });
+      return visit_dtype(c.type, [&](auto tag) -> work {
+        using T = typename decltype(tag)::type;
+        if constexpr (!supports_dtype_v<B, T>) {
+          throw error(errc::invalid_argument,
+                      "backend '" + std::string(backend_name()) + "' does not support " + std::string(to_string(c.type)),
+                      {.rank = rank(), .op = std::string(to_string(c.op))});
+        } else {
+          return typed<T>(c, async);
+        }
+      });
+    }
   }
 
  private:
   template <class T>
-  work typed(const pg_erased_call& c, bool async) {
+  work typed(const collective_call& c, bool async) {
     const std::span<const T> in(static_cast<const T*>(c.in), c.in_count);
     const std::span<T> out(static_cast<T*>(c.out), c.out_count);
     auto& g = group_;
@@ -188,7 +166,7 @@ class pg_group_model final : public pg_group_interface {
   }
 
   template <class T, class F>
-  work reducing(const pg_erased_call& c, F&& f) {
+  work reducing(const collective_call& c, F&& f) {
     // One instantiation for every reduction where the backend takes it at run time.
     if constexpr (pg_runtime_reductions<B>) return f(runtime_op{c.reduction});
     else return visit_reduce_kind(c.reduction, [&](auto op) -> work {
