@@ -4,11 +4,11 @@
 // small-message and pairwise algorithms of this folder.
 //
 // Algorithm choice (all_reduce and reduce): `automatic` uses the direct small-message algorithm
-// when what a rank sends with it, (p - 1) * bytes, is at most small_message_bytes (default 64 KiB;
-// measured at p = 2 over loopback: direct 54 us vs ring 80 us at 64 KiB, ring 2x faster at 1 MiB),
-// the ring otherwise; `ring` and `small_message` force one (benchmarks,
-// tests). broadcast is a pipelined chain, all_gather / reduce_scatter the ring, all_to_all pairwise,
-// barrier dissemination.
+// when what a rank sends with it, (p - 1) * bytes, is at most small_message_bytes (default 64 KiB,
+// where the ring's extra steps stop paying for themselves over loopback; bench/README), the ring
+// otherwise; `ring` and `small_message` force one (benchmarks, tests). broadcast is a pipelined
+// chain, all_gather / reduce_scatter the ring, all_to_all pairwise, barrier dissemination.
+// Arguments (root, peer, counts) are the caller's to check: process_group checks every call once.
 //
 // Failure: any error inside a collective (mismatch, timeout, peer lost) leaves the byte streams in
 // an unknown state, so the communicator aborts its transport (peers see EOF at once and fail too,
@@ -74,23 +74,6 @@ struct ring_communicator_options {
   // on (a hung store host) may outlive the communicator; without it the destructor waits for it.
   std::shared_ptr<ddp::store::store> failure_store_owner = {};
 };
-
-/// all_gather's and all_to_all's argument checks, in elements. A caller that moves a typed call
-/// as bytes (ring_backend) checks first, so the message counts the caller's elements (and a
-/// count that is no multiple of the group size cannot pass as a byte count that is one).
-inline void check_all_gather_counts(std::size_t in, std::size_t out, int size, const collective_desc& d, int rank) {
-  if (out != in * static_cast<std::size_t>(size)) {
-    throw error(errc::invalid_argument, "all_gather: the output holds " + std::to_string(out) + " elements, expected size * input = " +
-                                            std::to_string(in * static_cast<std::size_t>(size)), d.context(rank));
-  }
-}
-inline void check_all_to_all_counts(std::size_t in, std::size_t out, int size, const collective_desc& d, int rank) {
-  if (in != out || in % static_cast<std::size_t>(size) != 0) {
-    throw error(errc::invalid_argument, "all_to_all: input and output must hold the same number of elements, a multiple of the group size " +
-                                            std::to_string(size) + " (got " + std::to_string(in) + " and " + std::to_string(out) + ")",
-                d.context(rank));
-  }
-}
 
 namespace detail {
 
@@ -198,7 +181,6 @@ class ring_communicator {
 
   template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
-    check_root(root, d);
     run(d, dl, [&] {
       if (size() > 1) chain_broadcast(t_, data, root, d, dl, o_.tuning);
     });
@@ -211,7 +193,6 @@ class ring_communicator {
   template <dtype_like E, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
-    check_root(root, d);
     run(d, dl, [&] {
       if (size() == 1) return finish_local(data, op);
       if (choose(data.size_bytes()) == algorithm_choice::small_message) direct_reduce(t_, data, root, op, d, dl);
@@ -221,7 +202,6 @@ class ring_communicator {
 
   template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
-    check_all_gather_counts(in.size(), out.size(), size(), d, rank());
     run(d, dl, [&] {
       if (size() == 1) return void(std::copy(in.begin(), in.end(), out.begin()));
       ring_all_gather(t_, in, out, d, dl, o_.tuning);
@@ -235,10 +215,6 @@ class ring_communicator {
   template <dtype_like E, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
-    if (in.size() != out.size() * static_cast<std::size_t>(size())) {
-      throw error(errc::invalid_argument, "reduce_scatter: the input holds " + std::to_string(in.size()) + " elements, expected size * output = " +
-                                              std::to_string(out.size() * static_cast<std::size_t>(size())), d.context(rank()));
-    }
     run(d, dl, [&] {
       if (size() == 1) {
         std::copy(in.begin(), in.end(), out.begin());
@@ -250,7 +226,6 @@ class ring_communicator {
 
   template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
-    check_all_to_all_counts(in.size(), out.size(), size(), d, rank());
     run(d, dl, [&] {
       if (size() == 1) return void(std::copy(in.begin(), in.end(), out.begin()));
       pairwise_all_to_all(t_, in, out, d, dl);
@@ -265,13 +240,11 @@ class ring_communicator {
 
   template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& d, deadline dl) {
-    check_peer(peer, d);
     run(d, dl, [&] { algo::send(t_, data, peer, d, dl); });
   }
 
   template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& d, deadline dl) {
-    check_peer(peer, d);
     run(d, dl, [&] { algo::recv(t_, data, peer, d, dl); });
   }
 
@@ -286,19 +259,6 @@ class ring_communicator {
   static void finish_local(std::span<E> data, Op op) {
     if (kind_of(op) == reduce_kind::avg) {
       for (auto& x : data) x = narrow<E>(finish_reduction(op, widen(x), 1));
-    }
-  }
-
-  void check_root(int root, const collective_desc& d) const {
-    if (root < 0 || root >= size()) {
-      throw error(errc::invalid_argument, "root " + std::to_string(root) + " is not a rank of this group of size " + std::to_string(size()),
-                  d.context(rank()));
-    }
-  }
-  void check_peer(int peer, const collective_desc& d) const {
-    if (peer < 0 || peer >= size() || peer == rank()) {
-      throw error(errc::invalid_argument, "peer " + std::to_string(peer) + " is not another rank of this group of size " + std::to_string(size()),
-                  d.context(rank()));
     }
   }
 

@@ -22,7 +22,8 @@
 // Errors: a dead peer is errc::peer_lost "peer rank N (pid P) exited" within ~10 ms; a deadline
 // is errc::timeout; either aborts the communicator for every rank (peers fail at once rather than
 // at their own deadline). After an error the communicator refuses further calls.
-// Not thread-safe: one collective at a time (abort() may be called from any thread).
+// Not thread-safe: one collective at a time (abort() may be called from any thread). Arguments
+// (root, peer, counts) are the caller's to check: process_group checks every call once.
 
 #include <algorithm>
 #include <cstddef>
@@ -134,7 +135,6 @@ class shm_communicator {
 
   template <dtype_like E, any_reduce_op Op>
   void reduce(std::span<E> data, int root, Op op, const collective_desc& desc, deadline dl) {
-    check_root(root, desc);
     auto d = canonical(desc, dtype_of<E>, data.size(), kind_of(op));
     d.root = root;
     if (size_ == 1) return;
@@ -143,7 +143,6 @@ class shm_communicator {
 
   template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& desc, deadline dl) {
-    check_root(root, desc);
     auto d = canonical_moved<E>(desc, data.size());
     d.root = root;
     if (size_ == 1) return;
@@ -168,7 +167,6 @@ class shm_communicator {
 
   template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& desc, deadline dl) {
-    if (out.size() != in.size() * static_cast<std::size_t>(size_)) bad_sizes("all_gather: out must hold size() * in.size() elements", in.size(), out.size(), desc);
     const auto d = canonical_moved<E>(desc, in.size());
     const std::size_t n = in.size(), bytes = in.size_bytes();
     E* own = out.data() + static_cast<std::size_t>(rank_) * n;
@@ -202,7 +200,6 @@ class shm_communicator {
 
   template <dtype_like E, any_reduce_op Op>
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& desc, deadline dl) {
-    if (in.size() != out.size() * static_cast<std::size_t>(size_)) bad_sizes("reduce_scatter: in must hold size() * out.size() elements", in.size(), out.size(), desc);
     const auto d = canonical(desc, dtype_of<E>, out.size(), kind_of(op));
     const std::size_t n = out.size();
     if (size_ == 1) {
@@ -217,8 +214,6 @@ class shm_communicator {
 
   template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& desc, deadline dl) {
-    if (in.size() != out.size() || in.size() % static_cast<std::size_t>(size_) != 0)
-      bad_sizes("all_to_all: in and out must have the same size, a multiple of size()", in.size(), out.size(), desc);
     const std::size_t n = in.size() / static_cast<std::size_t>(size_);
     const auto d = canonical_moved<E>(desc, in.size());
     if (size_ == 1) {
@@ -260,7 +255,6 @@ class shm_communicator {
 
   template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& desc, deadline dl) {
-    check_peer(peer, desc);
     auto d = canonical_moved<E>(desc, data.size());
     d.op = collective::send;
     run(d, [&] {
@@ -276,7 +270,6 @@ class shm_communicator {
 
   template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& desc, deadline dl) {
-    check_peer(peer, desc);
     auto d = canonical_moved<E>(desc, data.size());
     d.op = collective::recv;
     run(d, [&] {
@@ -306,9 +299,9 @@ class shm_communicator {
  private:
   using slot = shm_direct::slot;
   static constexpr std::size_t cache_line = shm_direct::cache_line;
-  // Payload lines prefetched while waiting for a peer's header (see enter): up to 1 KiB. Driver,
-  // p = 2, all_reduce: 512 B 0.134 -> 0.114 us, 1 KiB 0.198 -> 0.179; more lines gained nothing
-  // at 2-8 KiB, where the fold's own streaming reads overlap anyway.
+  // Payload lines prefetched while waiting for a peer's header (see enter): up to 1 KiB, where it
+  // shortened small all-reduces; more lines gained nothing at 2-8 KiB, where the fold's own
+  // streaming reads overlap anyway.
   static constexpr std::size_t max_prefetch_lines = 16;
   using counter_index = shm_direct::counter_index;
 
@@ -350,21 +343,6 @@ class shm_communicator {
   collective_desc canonical_moved(const collective_desc& desc, std::size_t n) const {
     if constexpr (std::is_same_v<std::remove_cv_t<E>, std::byte>) return desc;
     else return canonical(desc, dtype_of<E>, n, desc.reduction);
-  }
-  void check_root(int root, const collective_desc& d) const {
-    if (root < 0 || root >= size_) {
-      throw error(errc::invalid_argument, "root " + std::to_string(root) + " is not a rank of this group of " + std::to_string(size_), d.context(rank_));
-    }
-  }
-  void check_peer(int peer, const collective_desc& d) const {
-    if (peer < 0 || peer >= size_ || peer == rank_) {
-      throw error(errc::invalid_argument, "peer " + std::to_string(peer) + " is not another rank of this group of " + std::to_string(size_),
-                  d.context(rank_));
-    }
-  }
-  [[noreturn]] void bad_sizes(const char* what, std::size_t in, std::size_t out, const collective_desc& d) const {
-    throw error(errc::invalid_argument, std::string(what) + " (in " + std::to_string(in) + ", out " + std::to_string(out) + ", group of " +
-                                            std::to_string(size_) + ")", d.context(rank_));
   }
   template <class A, class B>
   static bool overlaps(std::span<A> a, std::span<B> b) noexcept {
@@ -474,7 +452,7 @@ class shm_communicator {
         not_entered, d, dl, [&] { return "waiting for " + ranks_where(not_entered) + " to enter " + d.describe(); });
     // The usual case, every header the wire form of this rank's own call, is four word compares
     // per peer; any difference is decoded and judged field by field. Not against this rank's
-    // own slot: reading back the line the peers have just read cost ~35 ns a call (p = 2).
+    // own slot: reading back the line the peers have just read stalls on their copies of it.
     for (int j = 0; j < size_; ++j) {
       if (j == rank_ || wire_header::matches(slot_of(j, c)->header, d)) continue;
       wire_header h;
@@ -544,8 +522,7 @@ class shm_communicator {
 
   // Rank r's buffer descriptor of call c (in the header line). This rank's own is the copy kept
   // by publish(), not its slot: reading back a line just written, while its stores still wait
-  // for the line to come back from the peers that read it last, stalls on store forwarding
-  // (~0.07 us of a 0.30 us zero-copy call at 4 KiB, p = 2).
+  // for the line to come back from the peers that read it last, stalls on store forwarding.
   shm_direct::buffer_descriptor descriptor_of(int r, std::uint64_t c) const noexcept {
     if (r == rank_) return own_descriptor_;
     shm_direct::buffer_descriptor b;
@@ -587,10 +564,9 @@ class shm_communicator {
 
   // Copies into this rank's staging area, part of a chunk of chunk_bytes. The peers read these
   // lines `depth` chunks ago; while that is little staging, their copies are still in their
-  // caches, and ordinary stores would first take every line back (p = 2, user buffers: copying
-  // in 64 KiB took ~7 us of a 10 us all-reduce, against 1.2 us for a copy within one core).
-  // Streaming stores skip that: 16-128 KiB all-reduces took 0.74-0.91 of the time, and 0.26-0.40
-  // while the two vCPUs of the VM measured were placed far apart; from 256 KiB the peers'
+  // caches, and ordinary stores would first take every line back (most of a 64 KiB all-reduce of
+  // user buffers went into that copy-in). Streaming stores skip that and shortened 16-128 KiB
+  // all-reduces, most while the two vCPUs measured were placed far apart; from 256 KiB the peers'
   // copies are mostly gone and ordinary stores won (streaming 1.3-1.6x slower). With more ranks
   // than CPUs a reader often ran on this very core, whose cache ordinary stores hit (p = 4 on 2
   // CPUs, streaming: 16-128 KiB 1.04-1.26x slower).
@@ -613,15 +589,14 @@ class shm_communicator {
       const std::size_t es = f.element_size, bytes = n * es;
       if (bytes <= opts_.small_bytes) {
         // Shared buffers of a few KiB: reducing one slice in place, with no copy into the slot,
-        // beats folding the whole message from every slot (p = 2: 4 KiB 0.59 against 0.83 us,
-        // 8 KiB 0.72 against 2.0; since the lookup and the descriptor read-back went: 1 KiB
-        // 0.18 against 0.19, 1.5 KiB 0.19 against 0.26, 512 B 0.17 against 0.12, so from 1 KiB).
+        // beats folding the whole message from every slot from about 1 KiB (p = 2; below it the
+        // slots win).
         // Each rank says where its buffer is beside the data, and copies
         // the data only when its buffer is not shared; once the headers are in, every rank sees
         // the same descriptors and makes the same choice: all shared, zero copy; none, the slots
         // of this call; a mix (rare), a second round in which every rank sends its data.
         // Only once shared buffers exist: allocate() is collective, so every rank agrees on that,
-        // and a program that never allocates keeps the plain slot path (the offer costs ~0.1 us).
+        // and a program that never allocates keeps the plain slot path (the offer costs time).
         std::uint64_t data_call = c;
         const bool reads_peers = root < 0 || rank_ == root;
         if (bytes >= opts_.small_zero_copy_bytes && bytes > slot::inline_bytes && allocations_ > 0) {
