@@ -192,9 +192,8 @@ void fold_block(const std::byte* const* srcs, int p, std::byte* const* dsts, int
 }
 
 // Which way a rank walks its slice. All ascending, p = 2 at 32-64 KiB: the rank of the upper
-// slice folded 25-60 % slower than the other (2000 against 1550 cycles at 32 KiB), whichever rank
-// had that slice; the bare probe, started in lockstep, showed it too once one rank started ~1000
-// cycles late. The lower rank's hardware prefetcher runs on past the end of its slice into the
+// slice folded markedly slower than the other, whichever rank had that slice; the bare probe,
+// started in lockstep, showed it too once one rank started a little late. The lower rank's hardware prefetcher runs on past the end of its slice into the
 // lines the upper rank works on. Walking the lower slice downwards, both walks start at their
 // common boundary and run apart.
 enum class walk : bool { ascending, descending };

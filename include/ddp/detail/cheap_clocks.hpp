@@ -1,13 +1,13 @@
 #pragma once
-// Clocks for the per-collective bookkeeping of process_group, where a small collective takes
-// ~0.2 us and two reads of steady_clock (~25 ns each on a VM: the vDSO reads the TSC, scales it
-// and retries on a seqlock) were a fifth of it:
-//  - tick_clock: an interval counter for statistics. The raw TSC (~10 ns) where the kernel itself
+// Clocks for the per-collective bookkeeping of process_group, where two reads of steady_clock
+// (on a VM the vDSO reads the TSC, scales it and retries on a seqlock) were a sizeable part of a
+// small collective (bench/README):
+//  - tick_clock: an interval counter for statistics. The raw TSC where the kernel itself
 //    keeps time with it (clocksource "tsc": invariant and synchronized across CPUs), else
 //    steady_clock's nanoseconds. Ticks become time only when someone reads the statistics, at
 //    the TSC rate measured from the clock's first use in this process until then; a total is
-//    thereby off by about one clock read (tens of ns), however long the process ran.
-//  - coarse_now(): steady_clock's time as of the last timer tick (~5 ns, Linux's
+//    thereby off by about one clock read, however long the process ran.
+//  - coarse_now(): steady_clock's time as of the last timer tick (a memory read, Linux's
 //    CLOCK_MONOTONIC_COARSE, same epoch as steady_clock), for deadlines of whole milliseconds.
 //    It lags by up to the tick period, which coarse_resolution() gives (more only while a
 //    timer tick is late, as on a busy VM host), so a deadline of coarse_now() +

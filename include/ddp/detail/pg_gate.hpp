@@ -3,8 +3,8 @@
 // sequence counter, and whether calls are queued for its communication thread, in one atomic
 // word. A blocking call on a group with nothing queued and nobody waiting takes the gate with
 // one compare-exchange (which also draws its sequence number) and returns it with one
-// fetch_and: no mutex on the latency path (the mutex and condition variable it replaced cost
-// ~15 ns of a 100 ns shared-memory all-reduce).
+// fetch_and: no mutex on the latency path (the mutex and condition variable it replaced were a
+// measurable share of a small shared-memory all-reduce).
 //
 // Everything that must wait does so under the group's mutex, on its condition variable, after
 // setting the `waiters` bit; while that bit is set no caller takes the fast path, and whoever

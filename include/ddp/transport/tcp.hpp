@@ -21,8 +21,7 @@
 // Waiting: a transfer that would block first busy-polls its sockets for up to tcp_options::spin
 // (else DDP_TCP_SPIN_US, else 50 us; 0: never) and only then sleeps in poll(). A rank asleep in
 // poll() pays a scheduler wake-up when the peer's bytes land (on a VM whose idle vCPUs halt, an
-// interrupt into a halted vCPU too): 15-20 us per hop on the 2-vCPU development VM, several
-// times what a small message takes over loopback. The budget adapts: a spin that ends without
+// interrupt into a halted vCPU too), several times what a small message takes over loopback. The budget adapts: a spin that ends without
 // data halves it (down to 0, then one full spin every 64 waits to look again), one that catches
 // data restores it, so a rank on a loaded host soon stops taking CPU from the ranks it waits
 // for. Spinning is off when this host runs more of the group's ranks than the process may use CPUs.

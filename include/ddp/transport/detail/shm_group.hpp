@@ -261,7 +261,7 @@ class shm_group {
   void wait(Ready&& ready, deadline dl, Fail&& fail, WaitsOn&& waits_on) {
     if (ready()) return;
     // The spin's clock starts at its first check, 64 pauses in (about a microsecond): most waits
-    // of a small collective end before that, and a clock read costs ~25 ns, a tenth of such a
+    // of a small collective end before that, and a clock read is a noticeable share of such a
     // call. Not so with more ranks than CPUs: there the short spin must stay short (the awaited
     // rank may need this CPU), and a wait costs a trip through the scheduler anyway.
     clock::time_point start = oversubscribed_ ? clock::now() : clock::time_point{};

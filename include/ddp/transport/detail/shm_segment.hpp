@@ -74,7 +74,7 @@ inline void futex_wake_all(std::atomic<std::uint32_t>* word) noexcept {
 // An asymmetric fence (membarrier(2)): the frequent side of a store->load handshake between
 // processes needs only a compiler barrier, and the rare side pays for both with
 // membarrier_global(), which runs a full memory barrier on every CPU that is running a
-// registered process. A fence on the frequent side cost 10-35 ns of a 110 ns small collective.
+// registered process. A fence on the frequent side was a large share of a small collective.
 // Each call is false where the kernel or a seccomp filter refuses.
 inline bool membarrier_command(int command) noexcept {
 #if defined(SYS_membarrier)
