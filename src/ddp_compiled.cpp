@@ -1,5 +1,5 @@
 // The compiled part of ddp::ddp_compiled (see ddp/core/compiled.hpp): the built-in backends'
-// factories and the default store, defined once for every translation unit that defines
-// DDP_COMPILED.
+// factories, the default store and every definition under !DDP_DECLARATIONS_ONLY, defined once
+// for every translation unit that defines DDP_COMPILED.
 #define DDP_COMPILED_IMPLEMENTATION 1
 #include "ddp/ddp.hpp"
