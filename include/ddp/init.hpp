@@ -104,6 +104,18 @@ group init_process_group(std::string_view backend = "ring", init_options opts = 
 
 // Compiled once with the compiled library (ddp/core/compiled.hpp), with the registry.
 #if !DDP_DECLARATIONS_ONLY
+/// The ring backend as init_process_group builds it for "ring" (and "tcp", "shm": the transport)
+/// from a factory's context: for a backend that wraps it (a decorator, see
+/// examples/custom_backend/traced_backend.hpp) and registers under a name of its own. Header-only
+/// (the compiled library keeps the ring backend out of a user's files).
+inline ring_backend make_ring_backend(const backend_context& c, ring_options::transport_kind transport = ring_options::transport_kind::automatic) {
+  ring_options o;
+  o.transport = transport;
+  o.prefix = c.prefix;
+  o.timeout = c.options.init_timeout;
+  return ring_backend(c.store, c.rank, c.world_size, o);
+}
+
 namespace detail {
 
 struct pg_registry {
@@ -121,11 +133,7 @@ struct pg_registry {
 // most of what a program that calls init_process_group compiles. With the compiled library
 // (DDP_COMPILED, target ddp::ddp_compiled) they are compiled once, in src/ddp_compiled.cpp.
 inline group pg_make_ring(const backend_context& c, ring_options::transport_kind transport) {
-  ring_options o;
-  o.transport = transport;
-  o.prefix = c.prefix;
-  o.timeout = c.options.init_timeout;
-  return group(process_group<ring_backend>(ring_backend(c.store, c.rank, c.world_size, o), {.timeout = c.options.timeout}));
+  return group(process_group<ring_backend>(make_ring_backend(c, transport), {.timeout = c.options.timeout}));
 }
 
 DDP_COMPILED_INLINE pg_registry::pg_registry() {

@@ -2,7 +2,8 @@
 // and TCP loopback), rendezvous through a file_store: every collective x every dtype x sizes
 // {0, 1, 7, 1023, 65539} (small-message and ring paths) x p in {1, 2, 3, 4}, against references
 // computed here in int64 / double from the inputs' closed form. Also: a large all_reduce, a
-// mismatch seen on every rank, a killed peer noticed at once, sub-groups, async order.
+// mismatch seen on every rank, a killed peer noticed at once, sub-groups, async order, a
+// decorator over the ring backend built with make_ring_backend.
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -16,7 +17,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../examples/custom_backend/traced_backend.hpp"
 #include "ddp/backends/ring.hpp"
+#include "ddp/group.hpp"
+#include "ddp/init.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
@@ -390,6 +394,47 @@ TEST_CASE("ring_backend: allocate gives shared memory on shm and heap memory on 
             check(gathered[static_cast<std::size_t>(r) * n + i] == r * 1000 + static_cast<std::int32_t>(i % 999), "all_gather on allocated memory");
         g.broadcast(buf, 2);
       }
+    });
+    INFO(result.describe());
+    REQUIRE(result.ok());
+  }
+}
+
+TEST_CASE("ring_backend: a decorator over it (examples/custom_backend/traced_backend.hpp) gets every call as one record") {
+  using traced = example::traced_backend<ddp::ring_backend>;
+  for (kind transport : {kind::shm, kind::tcp}) {
+    store_file file(std::string("traced") + std::string(ddp::to_string(transport)));
+    const auto result = ddp::test::run_ranks(3, [&](int rank) {
+      ddp::backend_context c;
+      c.name = "traced";
+      c.rank = rank;
+      c.world_size = 3;
+      c.store = std::make_shared<ddp::store::file_store>(file.path);
+      c.prefix = "traced";
+      c.options.init_timeout = 60s;
+      ddp::group g(ddp::process_group<traced>(traced(ddp::make_ring_backend(c, transport)), {.timeout = 60s}));
+      check(g.backend_name() == "traced", "the decorator's name");
+      std::vector<double> x(1000, rank + 1.0);
+      g.all_reduce(x, ddp::avg{});
+      for (double v : x) check(v == 2.0, "all_reduce through the decorator");
+      std::vector<std::int64_t> mine(4, rank), everyone(12);
+      g.all_gather(mine, everyone);
+      for (std::size_t i = 0; i < everyone.size(); ++i) check(everyone[i] == static_cast<std::int64_t>(i / 4), "all_gather through the decorator");
+      auto w = g.all_reduce_async(std::span(x));
+      w.wait();
+      g.barrier();
+      auto sub = g.new_group({0, 2});
+      if (sub.valid()) {
+        std::vector<float> y{float(rank)};
+        sub.all_reduce(y);
+        check(y[0] == 2.0f, "a sub-group of decorated backends");
+      }
+      const traced& t = g.get_if<traced>()->backend();
+      check(t.of(ddp::collective::all_reduce).calls == 2 && t.of(ddp::collective::all_reduce).bytes == 2 * 1000 * sizeof(double),
+            "all_reduce calls and bytes seen by the decorator");
+      check(t.of(ddp::collective::all_gather).calls == 1 && t.of(ddp::collective::all_gather).bytes == 12 * sizeof(std::int64_t),
+            "all_gather seen by the decorator");
+      check(t.of(ddp::collective::barrier).calls == 1, "barrier seen by the decorator");
     });
     INFO(result.describe());
     REQUIRE(result.ok());
