@@ -214,17 +214,20 @@ class tcp_store_server {
       // let two live servers share a port on Linux.
       int one = 1;
       ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      // In use: bind() says so, or, when another server bound the port in the same instant
+      // (SO_REUSEADDR lets two sockets bind until one listens), listen() does.
+      auto in_use = [&](const char* call) {
+        return error(errc::config, where + " is already in use" + detail::describe_port_holder(host, port, job) + ": " + system_message(call, EADDRINUSE),
+                     {.op = "store.listen", .backend_code = EADDRINUSE});
+      };
       if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
         last = errno;
-        if (last == EADDRINUSE) {
-          throw error(errc::config, where + " is already in use" + detail::describe_port_holder(host, port, job) + ": " +
-                                        system_message("bind", last),
-                      {.op = "store.listen", .backend_code = last});
-        }
+        if (last == EADDRINUSE) throw in_use("bind");
         continue;
       }
       if (::listen(fd.get(), SOMAXCONN) != 0) {
         last = errno;
+        if (last == EADDRINUSE) throw in_use("listen");
         continue;
       }
       sockaddr_storage ss{};
