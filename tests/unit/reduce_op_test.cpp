@@ -10,23 +10,16 @@
 #include <limits>
 #include <vector>
 
+#include "support/element_values.hpp"
+
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_reduce_op {
 
 namespace {
 
-template <class T>
-T from_int(std::int64_t v) {
-  if constexpr (ddp::half_precision<T>) return T(static_cast<float>(v));
-  else return static_cast<T>(v);
-}
-
-template <class T>
-double to_double(T v) {
-  if constexpr (ddp::half_precision<T>) return static_cast<double>(static_cast<float>(v));
-  else return static_cast<double>(v);
-}
+using ddp::test::to;
+using ddp::test::from;
 
 // Folds n contributions with op, in accumulate_t<T>, then finishes and stores as T.
 template <class T, class Op>
@@ -45,21 +38,21 @@ void check_closed_forms() {
   // Small enough that every result is exact in each type (5! = 120 fits uint8 and float16).
   for (int n : {1, 2, 3, 4, 5}) {
     std::vector<T> xs;
-    for (int r = 0; r < n; ++r) xs.push_back(from_int<T>(r + 1));
+    for (int r = 0; r < n; ++r) xs.push_back(to<T>(r + 1.0));
     std::int64_t factorial = 1;
     for (int k = 2; k <= n; ++k) factorial *= k;
     const double sum = n * (n + 1) / 2.0;
     const double avg = is_integer ? static_cast<double>(n * (n + 1) / 2 / n) : (n + 1) / 2.0;
     INFO("dtype " << ddp::to_string(ddp::dtype_of<T>) << ", n = " << n);
-    CHECK(to_double(reduce(xs, ddp::sum{})) == sum);
-    CHECK(to_double(reduce(xs, ddp::prod{})) == static_cast<double>(factorial));
-    CHECK(to_double(reduce(xs, ddp::min{})) == 1.0);
-    CHECK(to_double(reduce(xs, ddp::max{})) == static_cast<double>(n));
-    CHECK(to_double(reduce(xs, ddp::avg{})) == avg);
+    CHECK(from(reduce(xs, ddp::sum{})) == sum);
+    CHECK(from(reduce(xs, ddp::prod{})) == static_cast<double>(factorial));
+    CHECK(from(reduce(xs, ddp::min{})) == 1.0);
+    CHECK(from(reduce(xs, ddp::max{})) == static_cast<double>(n));
+    CHECK(from(reduce(xs, ddp::avg{})) == avg);
     // The order of contributions does not matter for these.
     std::vector<T> reversed(xs.rbegin(), xs.rend());
-    CHECK(to_double(reduce(reversed, ddp::min{})) == 1.0);
-    CHECK(to_double(reduce(reversed, ddp::max{})) == static_cast<double>(n));
+    CHECK(from(reduce(reversed, ddp::min{})) == 1.0);
+    CHECK(from(reduce(reversed, ddp::max{})) == static_cast<double>(n));
   }
 }
 
@@ -116,9 +109,9 @@ TEST_CASE("half-precision values reduce in float32 and round once") {
   // 2048 + 1 + 1 in float16: pairwise in float16 would stay at 2048 (2049 rounds to even);
   // accumulating in float gives 2050, which float16 represents.
   std::vector<ddp::float16> xs{ddp::float16(2048.0f), ddp::float16(1.0f), ddp::float16(1.0f)};
-  CHECK(to_double(reduce(xs, ddp::sum{})) == 2050.0);
+  CHECK(from(reduce(xs, ddp::sum{})) == 2050.0);
   std::vector<ddp::bfloat16> ys{ddp::bfloat16(256.0f), ddp::bfloat16(1.0f), ddp::bfloat16(1.0f)};
-  CHECK(to_double(reduce(ys, ddp::sum{})) == 258.0);
+  CHECK(from(reduce(ys, ddp::sum{})) == 258.0);
 }
 
 TEST_CASE("reduce kinds, names and runtime dispatch") {
