@@ -27,12 +27,12 @@
 #include "ddp/store/torch_tcp_store.hpp"
 
 // transports, algorithms, the ring backend
-#include "ddp/algorithms/ring_communicator.hpp"
-#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/backends/ring/ring_communicator.hpp"
+#include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/backends/ring.hpp"
 #include "ddp/shared_buffer.hpp"
-#include "ddp/transport/shm.hpp"
-#include "ddp/transport/tcp.hpp"
+#include "ddp/backends/ring/transport/shm.hpp"
+#include "ddp/backends/ring/transport/tcp.hpp"
 #endif
 
 // process groups

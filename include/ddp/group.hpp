@@ -20,8 +20,8 @@
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/pg_group_model.hpp"
-#include "ddp/detail/pg_range_calls.hpp"
+#include "ddp/process_group/group_model.hpp"
+#include "ddp/process_group/range_calls.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/work.hpp"
 

@@ -87,7 +87,7 @@
 #include <cstring>
 #include <tuple>
 
-#include "ddp/detail/process.hpp"
+#include "ddp/launch/process.hpp"
 #include "ddp/store/tcp_store.hpp"
 
 extern char** environ;  // NOLINT: POSIX

@@ -49,12 +49,12 @@
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/cheap_clocks.hpp"
-#include "ddp/detail/function_ref.hpp"
-#include "ddp/detail/pg_backend_traits.hpp"
-#include "ddp/detail/pg_gate.hpp"
-#include "ddp/detail/pg_range_calls.hpp"
-#include "ddp/detail/pg_watchdog.hpp"
+#include "ddp/process_group/cheap_clocks.hpp"
+#include "ddp/core/function_ref.hpp"
+#include "ddp/process_group/backend_traits.hpp"
+#include "ddp/process_group/gate.hpp"
+#include "ddp/process_group/range_calls.hpp"
+#include "ddp/process_group/watchdog.hpp"
 #include "ddp/work.hpp"
 
 namespace ddp {
@@ -400,7 +400,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
     mutable std::mutex mutex;
     std::condition_variable changed;
     std::deque<task> queue;
-    detail::pg_gate gate;  // one collective at a time, the sequence numbers (see pg_gate.hpp)
+    detail::pg_gate gate;  // one collective at a time, the sequence numbers (see process_group/gate.hpp)
     bool stopping = false;
     std::thread comm;
     std::uint64_t subgroups = 0;  // while holding the gate

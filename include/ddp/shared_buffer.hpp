@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/transport/detail/shm_segment.hpp"
+#include "ddp/backends/ring/transport/shm_segment.hpp"
 
 namespace ddp {
 

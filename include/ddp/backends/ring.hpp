@@ -12,7 +12,7 @@
 //   automatic     hierarchical when every host has at least 2 ranks, flat otherwise;
 //   flat          one TCP ring over all ranks;
 //   hierarchical  all_reduce reduces within each host over shared memory, runs a TCP ring among
-//                 one leader per host, and broadcasts within each host (algorithms/hierarchical.hpp);
+//                 one leader per host, and broadcasts within each host (ring/hierarchical.hpp);
 //                 the other collectives use the flat TCP communicator.
 //   The environment variable DDP_RING_HIERARCHY=auto|flat|hierarchical overrides `automatic`
 //   (an explicit option wins). Every rank must make the same choice: ranks that disagree fail
@@ -29,7 +29,7 @@
 // order), an ordinary heap buffer with the same interface over flat TCP.
 //
 // Liveness: with ring_options::heartbeat_timeout > 0 (DDP_HEARTBEAT_TIMEOUT, default 5 s) a
-// thread per backend exchanges heartbeats with every peer (transport/detail/heartbeat.hpp); a
+// thread per backend exchanges heartbeats with every peer (ring/transport/heartbeat.hpp); a
 // peer silent that long, or whose visible process exits, aborts the backend, and the failing
 // collective reports errc::peer_lost naming that rank, its host and what was seen, whatever
 // the collective's own deadline.
@@ -55,9 +55,9 @@
 #include <variant>
 #include <vector>
 
-#include "ddp/algorithms/hierarchical.hpp"
-#include "ddp/algorithms/ring_communicator.hpp"
-#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/backends/ring/hierarchical.hpp"
+#include "ddp/backends/ring/ring_communicator.hpp"
+#include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/host.hpp"
@@ -69,9 +69,9 @@
 #include "ddp/shared_buffer.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "ddp/store/store.hpp"
-#include "ddp/transport/shm.hpp"
-#include "ddp/transport/detail/heartbeat.hpp"
-#include "ddp/transport/tcp.hpp"
+#include "ddp/backends/ring/transport/shm.hpp"
+#include "ddp/backends/ring/transport/heartbeat.hpp"
+#include "ddp/backends/ring/transport/tcp.hpp"
 
 namespace ddp {
 

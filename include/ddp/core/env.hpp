@@ -112,7 +112,7 @@
 namespace ddp {
 
 /// DDP_HEARTBEAT_TIMEOUT (seconds; 0 turns the heartbeat off) or 5 s: a ring backend fails once
-/// a peer has sent no heartbeat for this long (transport/detail/heartbeat.hpp). A malformed value
+/// a peer has sent no heartbeat for this long (backends/ring/transport/heartbeat.hpp). A malformed value
 /// is a ddp::error naming the variable.
 std::chrono::milliseconds default_heartbeat_timeout();
 

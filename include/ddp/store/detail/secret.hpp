@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "ddp/core/error.hpp"
-#include "ddp/detail/unique_fd.hpp"
+#include "ddp/core/unique_fd.hpp"
 #include "ddp/store/detail/hmac_sha256.hpp"
 
 namespace ddp::store::detail {

@@ -23,7 +23,7 @@
 
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
-#include "ddp/detail/unique_fd.hpp"
+#include "ddp/core/unique_fd.hpp"
 
 namespace ddp::store::detail {
 

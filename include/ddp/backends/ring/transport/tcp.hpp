@@ -54,9 +54,9 @@
 #include "ddp/core/env.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/store/store.hpp"
-#include "ddp/transport/detail/pieces.hpp"
-#include "ddp/transport/detail/shm_segment.hpp"
-#include "ddp/transport/detail/socket.hpp"
+#include "ddp/backends/ring/transport/pieces.hpp"
+#include "ddp/backends/ring/transport/shm_segment.hpp"
+#include "ddp/backends/ring/transport/socket.hpp"
 
 namespace ddp {
 

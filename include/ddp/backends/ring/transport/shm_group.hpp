@@ -47,7 +47,7 @@
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/store/store.hpp"
-#include "ddp/transport/detail/shm_segment.hpp"
+#include "ddp/backends/ring/transport/shm_segment.hpp"
 
 namespace ddp::detail::shm {
 

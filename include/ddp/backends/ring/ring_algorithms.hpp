@@ -21,8 +21,8 @@
 #include <span>
 #include <type_traits>
 
-#include "ddp/algorithms/exchange.hpp"
-#include "ddp/algorithms/scratch.hpp"
+#include "ddp/backends/ring/exchange.hpp"
+#include "ddp/backends/ring/scratch.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"

@@ -17,7 +17,7 @@
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
-#include "ddp/transport/detail/pieces.hpp"
+#include "ddp/backends/ring/transport/pieces.hpp"
 
 namespace ddp::algo {
 

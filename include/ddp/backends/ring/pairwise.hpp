@@ -11,7 +11,7 @@
 #include <span>
 #include <string>
 
-#include "ddp/algorithms/exchange.hpp"
+#include "ddp/backends/ring/exchange.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"

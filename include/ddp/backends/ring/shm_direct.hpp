@@ -32,8 +32,8 @@
 #include "ddp/core/collective.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/elementwise.hpp"
-#include "ddp/transport/detail/shm_segment.hpp"
+#include "ddp/backends/ring/elementwise.hpp"
+#include "ddp/backends/ring/transport/shm_segment.hpp"
 
 namespace ddp::algo::shm_direct {
 

@@ -36,18 +36,18 @@
 #include <type_traits>
 #include <vector>
 
-#include "ddp/algorithms/shm_direct.hpp"
+#include "ddp/backends/ring/shm_direct.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/function_ref.hpp"
-#include "ddp/detail/streaming_copy.hpp"
+#include "ddp/core/function_ref.hpp"
+#include "ddp/backends/ring/streaming_copy.hpp"
 #include "ddp/shared_buffer.hpp"
 #include "ddp/store/store.hpp"
-#include "ddp/transport/detail/shm_group.hpp"
-#include "ddp/transport/shm.hpp"
+#include "ddp/backends/ring/transport/shm_group.hpp"
+#include "ddp/backends/ring/transport/shm.hpp"
 
 namespace ddp::algo {
 

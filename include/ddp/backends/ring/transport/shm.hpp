@@ -26,7 +26,7 @@
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/store/store.hpp"
-#include "ddp/transport/detail/shm_group.hpp"
+#include "ddp/backends/ring/transport/shm_group.hpp"
 
 namespace ddp {
 

@@ -13,8 +13,8 @@
 #include <cstring>
 #include <span>
 
-#include "ddp/algorithms/exchange.hpp"
-#include "ddp/algorithms/scratch.hpp"
+#include "ddp/backends/ring/exchange.hpp"
+#include "ddp/backends/ring/scratch.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"

@@ -36,14 +36,14 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/algorithms/exchange.hpp"
-#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/backends/ring/exchange.hpp"
+#include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/function_ref.hpp"
+#include "ddp/core/function_ref.hpp"
 #include "ddp/store/store.hpp"
 
 namespace ddp::algo {

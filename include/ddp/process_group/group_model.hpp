@@ -20,7 +20,7 @@
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/pg_backend_traits.hpp"
+#include "ddp/process_group/backend_traits.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/work.hpp"
 

@@ -38,17 +38,17 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/algorithms/exchange.hpp"
-#include "ddp/algorithms/pairwise.hpp"
-#include "ddp/algorithms/ring.hpp"
-#include "ddp/algorithms/small_message.hpp"
+#include "ddp/backends/ring/exchange.hpp"
+#include "ddp/backends/ring/pairwise.hpp"
+#include "ddp/backends/ring/ring_algorithms.hpp"
+#include "ddp/backends/ring/small_message.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
-#include "ddp/detail/function_ref.hpp"
+#include "ddp/core/function_ref.hpp"
 #include "ddp/store/store.hpp"
 
 namespace ddp::algo {
