@@ -1,4 +1,4 @@
-// The ring backend's heartbeat (transport/detail/heartbeat.hpp), with forked ranks started the way
+// The ring backend's heartbeat (backends/ring/transport/heartbeat.hpp), with forked ranks started the way
 // torchrun starts them (rank 0 hosts the tcp_store): a SIGSTOPped rank, rank 0 included, fails
 // every other rank within the heartbeat timeout + 1 s with errc::peer_lost naming it, though the
 // collective's own timeout is long; a hung rank 0 costs at most 1.1 x the heartbeat timeout; a

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 

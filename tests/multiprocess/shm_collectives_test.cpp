@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
 #include "ddp/store/hash_store.hpp"
 #include "support/multiprocess.hpp"

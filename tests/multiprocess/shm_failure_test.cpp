@@ -16,9 +16,9 @@
 #include <thread>
 #include <vector>
 
-#include "ddp/algorithms/shm_communicator.hpp"
+#include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
-#include "ddp/transport/shm.hpp"
+#include "ddp/backends/ring/transport/shm.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one

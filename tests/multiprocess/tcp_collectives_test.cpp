@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "ddp/algorithms/ring_communicator.hpp"
+#include "ddp/backends/ring/ring_communicator.hpp"
 #include "ddp/store/file_store.hpp"
-#include "ddp/transport/tcp.hpp"
+#include "ddp/backends/ring/transport/tcp.hpp"
 #include "support/multiprocess.hpp"
 #include "support/sizes.hpp"
 

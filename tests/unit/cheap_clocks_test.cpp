@@ -1,7 +1,7 @@
 // The cheap clocks of process_group's bookkeeping against steady_clock: tick_clock intervals
 // converted to time agree with steady_clock over the same interval, and coarse_now() is never
 // ahead of steady_clock and never behind it by more than coarse_resolution().
-#include <ddp/detail/cheap_clocks.hpp>
+#include <ddp/process_group/cheap_clocks.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -20,10 +20,10 @@
 #include <tuple>
 #include <vector>
 
-#include "ddp/algorithms/ring_communicator.hpp"
-#include "ddp/algorithms/scratch.hpp"
+#include "ddp/backends/ring/ring_communicator.hpp"
+#include "ddp/backends/ring/scratch.hpp"
 #include "ddp/store/hash_store.hpp"
-#include "ddp/transport/tcp.hpp"
+#include "ddp/backends/ring/transport/tcp.hpp"
 #include "support/sizes.hpp"
 #include "support/threads.hpp"
 

@@ -3,7 +3,7 @@
 // source of its index, where there is one, as the zero-copy all-reduce calls it), lengths around
 // the kernel's block and cache-line boundaries, and guard elements on both sides that must stay
 // untouched.
-#include <ddp/algorithms/shm_direct.hpp>
+#include <ddp/backends/ring/shm_direct.hpp>
 
 #include <catch2/catch.hpp>
 

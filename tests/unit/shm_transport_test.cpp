@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "ddp/store/hash_store.hpp"
-#include "ddp/transport/shm.hpp"
+#include "ddp/backends/ring/transport/shm.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.

@@ -1,7 +1,7 @@
 // detail::streaming_copy against std::memcpy: every length up to a few vectors, at every
 // destination and source offset within 16 bytes, into a guarded buffer that must stay untouched
 // outside the copied range.
-#include <ddp/detail/streaming_copy.hpp>
+#include <ddp/backends/ring/streaming_copy.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "ddp/store/hash_store.hpp"
-#include "ddp/transport/tcp.hpp"
+#include "ddp/backends/ring/transport/tcp.hpp"
 #include "support/threads.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
