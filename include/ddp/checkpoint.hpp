@@ -100,6 +100,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/checkpoint/format.hpp"
 #include "ddp/checkpoint/preemption.hpp"
 #include "ddp/core/compiled.hpp"
@@ -484,7 +485,7 @@ struct test_hook {
 DDP_COMPILED_INLINE const test_hook& hook() {
   static const test_hook h = [] {
     test_hook out;
-    const char* v = std::getenv("DDP_CHECKPOINT_TEST_HOOK");
+    const char* v = read_env("DDP_CHECKPOINT_TEST_HOOK");
     if (v == nullptr) return out;
     std::vector<std::string> parts(1);
     for (const char* c = v; *c != '\0'; ++c) {

@@ -71,6 +71,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/core/compiled.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/env.hpp"
@@ -289,7 +290,7 @@ namespace detail {
 
 /// The job identity a launcher hands its workers when none is given (see "Job identity").
 inline std::string launcher_job_id(int nnodes) {
-  if (const char* id = std::getenv("DDP_JOB_ID"); id != nullptr && *id != '\0') return id;
+  if (const char* id = read_env("DDP_JOB_ID"); id != nullptr && *id != '\0') return id;
   try {
     if (auto outer = launch_environment::from_environment().job_id; !outer.empty()) return outer;
   } catch (const error&) {
@@ -303,7 +304,7 @@ inline std::string launcher_job_id(int nnodes) {
 inline void check_not_one_of_many(const launch_options& o) {
   if (o.nnodes != 1) return;
   const auto count = [](const char* name) -> long long {
-    const char* v = std::getenv(name);
+    const char* v = read_registered_env(name);
     if (v == nullptr || *v == '\0') return 0;
     const auto n = parse_int64(v);
     return n ? *n : 0;
@@ -375,7 +376,7 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
   const bool any_port = options.standalone || options.master_port == 0;
   std::string token = options.store_token;
   if (token.empty()) {
-    if (const char* t = std::getenv("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') token = t;
+    if (const char* t = read_env("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') token = t;
     else if (options.nnodes == 1) token = detail::random_hex(16);
     else {
       detail::log_line(options, "warning: DDP_STORE_TOKEN is not set, so the store accepts any client; "
@@ -417,7 +418,7 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
                                     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDP_STORE_TOKEN", "DDP_JOB_ID",
                                     "DDP_STORE_SERVER"};
   for (const auto& [k, v] : options.env) names.push_back(k);
-  const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+  const bool set_omp = nproc > 1 && read_env("OMP_NUM_THREADS") == nullptr;
   if (set_omp) names.push_back("OMP_NUM_THREADS");
   std::vector<std::string> inherited;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
@@ -687,7 +688,7 @@ DDP_COMPILED_INLINE launch_result launch(const launch_options& options, const st
   detail::check_not_one_of_many(o);
   if (o.job_id.empty()) o.job_id = detail::launcher_job_id(o.nnodes);
   if (o.store_token.empty()) {
-    if (const char* t = std::getenv("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') o.store_token = t;
+    if (const char* t = read_env("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') o.store_token = t;
     else if (o.nnodes == 1) o.store_token = detail::random_hex(16);
   }
   for (int attempt = 0;; ++attempt) {

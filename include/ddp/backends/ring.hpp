@@ -55,6 +55,7 @@
 #include <variant>
 #include <vector>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/backends/ring/hierarchical.hpp"
 #include "ddp/backends/ring/ring_communicator.hpp"
 #include "ddp/backends/ring/shm_communicator.hpp"
@@ -138,7 +139,7 @@ constexpr std::string_view to_string(ring_options::hierarchy_kind h) noexcept {
 }
 
 /// DDP_RING_HIERARCHY: unset or empty -> automatic; auto, flat, hierarchical; anything else is errc::config.
-inline ring_options::hierarchy_kind hierarchy_from_environment(const char* value = std::getenv("DDP_RING_HIERARCHY")) {
+inline ring_options::hierarchy_kind hierarchy_from_environment(const char* value = read_env("DDP_RING_HIERARCHY")) {
   using h = ring_options::hierarchy_kind;
   if (value == nullptr || *value == '\0') return h::automatic;
   const std::string_view v(value);

@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/core/compiled.hpp"
 #include "ddp/core/error.hpp"
 
@@ -84,7 +85,7 @@ DDP_COMPILED_INLINE std::chrono::milliseconds parse_timeout(const char* text) {
 }  // namespace detail
 
 DDP_COMPILED_INLINE std::chrono::milliseconds default_timeout() {
-  const char* text = std::getenv("DDP_TIMEOUT");
+  const char* text = read_env("DDP_TIMEOUT");
   if (text == nullptr || *text == '\0') return std::chrono::seconds(300);
   return detail::parse_timeout(text);
 }

@@ -99,6 +99,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/core/compiled.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
@@ -133,7 +134,7 @@ constexpr std::string_view to_string(launch_source s) noexcept {
   return "unknown";
 }
 
-/// Reads one variable; nullptr when unset. ::getenv by default.
+/// Reads one variable; nullptr when unset. The process environment by default (read_registered_env).
 using env_lookup = std::function<const char*(const char*)>;
 
 namespace detail {
@@ -240,7 +241,7 @@ class launch_environment {
   bool multi_node() const noexcept { return num_nodes > 1 || world_size > local_world_size; }
 
   /// Reads and checks the environment (see the precedence at the top of this header).
-  static launch_environment from_environment(const env_lookup& lookup = ::getenv);
+  static launch_environment from_environment(const env_lookup& lookup = read_registered_env);
 
   /// A table of value <- origin, one line each, e.g. "  rank              1   <- RANK"; the
   /// launcher that was recognised and why, the job id, and "(provisional)" after the values
@@ -258,7 +259,7 @@ class launch_environment {
 // Reading the environment is compiled once with the compiled library (ddp/core/compiled.hpp).
 #if !DDP_DECLARATIONS_ONLY
 DDP_COMPILED_INLINE std::chrono::milliseconds default_heartbeat_timeout() {
-  const char* text = std::getenv("DDP_HEARTBEAT_TIMEOUT");
+  const char* text = read_env("DDP_HEARTBEAT_TIMEOUT");
   if (text == nullptr || *text == '\0') return std::chrono::seconds(5);
   char* end = nullptr;
   const double seconds = std::strtod(text, &end);

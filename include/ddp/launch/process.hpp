@@ -22,6 +22,7 @@
 #include <string_view>
 #include <utility>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/unique_fd.hpp"
 
@@ -51,7 +52,7 @@ inline std::string find_executable(const std::string& program) {
     }
     return program;
   }
-  const char* path_env = std::getenv("PATH");
+  const char* path_env = read_env("PATH");
   const std::string_view path = path_env != nullptr ? path_env : "/usr/local/bin:/usr/bin:/bin";
   std::size_t pos = 0;
   while (pos <= path.size()) {

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ddp/core/env_registry.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/unique_fd.hpp"
 #include "ddp/store/detail/hmac_sha256.hpp"
@@ -61,9 +62,9 @@ inline std::string to_hex(std::span<const std::byte> bytes) {
 
 /// Where the secret lives; "" when there is no home to put it in.
 inline std::string secret_path() {
-  if (const char* xdg = std::getenv("XDG_CONFIG_HOME"); xdg != nullptr && xdg[0] == '/') return std::string(xdg) + "/ddp/secret";
+  if (const char* xdg = read_env("XDG_CONFIG_HOME"); xdg != nullptr && xdg[0] == '/') return std::string(xdg) + "/ddp/secret";
   std::string home;
-  if (const char* h = std::getenv("HOME"); h != nullptr && h[0] == '/') {
+  if (const char* h = read_env("HOME"); h != nullptr && h[0] == '/') {
     home = h;
   } else {
     // getpwuid_r: another thread may be using getpwuid's static buffer.
