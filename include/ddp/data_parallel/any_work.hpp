@@ -34,17 +34,12 @@ class any_work {
     if (is_direct_) return direct_.wait(d);
     return impl_ ? impl_->wait_until(d) : true;
   }
-  bool is_completed() const {
-    if (is_direct_) return direct_.is_completed();
-    return impl_ ? impl_->completed() : true;
-  }
 
  private:
   struct base {
     virtual ~base() = default;
     virtual void wait() = 0;
     virtual bool wait_until(deadline d) = 0;
-    virtual bool completed() const = 0;
   };
   template <class W>
   struct model final : base {
@@ -56,13 +51,6 @@ class any_work {
       } else {
         work.wait();
         return true;
-      }
-    }
-    bool completed() const override {
-      if constexpr (completion_queryable<W>) {
-        return static_cast<bool>(work.is_completed());
-      } else {
-        return false;
       }
     }
     W work;

@@ -13,7 +13,7 @@ namespace ddp {
 
 /// What distributed_data_parallel needs of a group: ddp::process_group, ddp::group, or your own.
 /// Collectives must accept every dtype; all_reduce_async returns something with wait()
-/// (optionally wait(deadline) -> bool and is_completed()).
+/// (optionally wait(deadline) -> bool).
 template <class G>
 concept collective_group =
     requires(G& g, const G& cg, std::span<float> data, std::span<const std::int64_t> in, std::span<std::int64_t> out) {

@@ -1,7 +1,7 @@
 #pragma once
 // What distributed_data_parallel asks of a work handle (a group's all_reduce_async result, or a
-// comm hook's): wait(), and optionally wait(deadline) -> bool and is_completed(). Apart from the
-// group concept because work handles and hooks need it without the group.
+// comm hook's): wait(), and optionally wait(deadline) -> bool; is_completed() for ddp/compression.hpp.
+// Apart from the group concept because work handles and hooks need it without the group.
 
 #include <concepts>
 
