@@ -51,6 +51,7 @@
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/process_group/cheap_clocks.hpp"
 #include "ddp/core/function_ref.hpp"
+#include "ddp/process_group/backend_calls.hpp"
 #include "ddp/process_group/backend_traits.hpp"
 #include "ddp/process_group/gate.hpp"
 #include "ddp/process_group/range_calls.hpp"
@@ -88,21 +89,6 @@ struct group_stats {
     return t;
   }
 };
-
-namespace detail {
-
-inline bool pg_overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  const auto* a0 = static_cast<const std::byte*>(a);
-  const auto* b0 = static_cast<const std::byte*>(b);
-  return std::less<>{}(a0, b0 + b_bytes) && std::less<>{}(b0, a0 + a_bytes);
-}
-template <class T, class U>
-bool pg_overlap(std::span<T> a, std::span<U> b) noexcept {
-  return pg_overlap(a.data(), a.size_bytes(), b.data(), b.size_bytes());
-}
-
-}  // namespace detail
 
 template <ddp::backend B>
 class process_group : public detail::pg_range_calls<process_group<B>> {
@@ -298,7 +284,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
 
   /// Copies bytes in the backend's memory space: std::memcpy for host memory, the backend's
   /// copy_memory where it has one (device memory). Not sequenced with the collectives.
-  void copy_memory(void* dst, const void* src, std::size_t bytes) { copy_within(live(), dst, src, bytes); }
+  void copy_memory(void* dst, const void* src, std::size_t bytes) { calls::copy_within(live(), dst, src, bytes); }
 
   // --- sub-groups ------------------------------------------------------------------------------
   /// A group of the given ranks of this group (sorted; duplicates are an error). Every rank of
@@ -504,11 +490,11 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   static void execute_record(state& s, collective_call c, const collective_desc& d, deadline until) {
     std::shared_ptr<void> copy;
     if (c.op == collective::all_reduce && c.in != c.out) {
-      copy_within(s, c.out, c.in, c.out_bytes());
+      calls::copy_within(s, c.out, c.in, c.out_bytes());
       c.in = c.out;
     } else if ((c.op == collective::all_gather || c.op == collective::reduce_scatter || c.op == collective::all_to_all) &&
                detail::pg_overlap(c.in, c.in_bytes(), c.out, c.out_bytes())) {
-      const auto input = unaliased(s, std::span<const std::byte>(static_cast<const std::byte*>(c.in), c.in_bytes()),
+      const auto input = calls::unaliased(s, std::span<const std::byte>(static_cast<const std::byte*>(c.in), c.in_bytes()),
                                    std::span<std::byte>(static_cast<std::byte*>(c.out), c.out_bytes()));
       copy = input.owner;
       c.in = input.data.data();
@@ -529,237 +515,31 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
       const collective_desc desc = c.describe();
       const std::size_t bytes = c.traffic_bytes();
       if constexpr (C == collective::all_reduce) {
-        if (c.in == c.out) return dispatch(desc, bytes, all_reduce_call(out, op), async);
-        return dispatch(desc, bytes, all_reduce_call(in, out, op), async);
+        if (c.in == c.out) return dispatch(desc, bytes, calls::all_reduce_call(s_.get(), out, op), async);
+        return dispatch(desc, bytes, calls::all_reduce_call(s_.get(), in, out, op), async);
       } else if constexpr (C == collective::broadcast) {
-        return dispatch(desc, bytes, broadcast_call(out, c.root), async);
+        return dispatch(desc, bytes, calls::broadcast_call(s_.get(), out, c.root), async);
       } else if constexpr (C == collective::reduce) {
-        return dispatch(desc, bytes, reduce_call(out, c.root, op), async);
+        return dispatch(desc, bytes, calls::reduce_call(s_.get(), out, c.root, op), async);
       } else if constexpr (C == collective::all_gather) {
-        return dispatch(desc, bytes, all_gather_call(in, out), async);
+        return dispatch(desc, bytes, calls::all_gather_call(s_.get(), in, out), async);
       } else if constexpr (C == collective::reduce_scatter) {
-        return dispatch(desc, bytes, reduce_scatter_call(in, out, op), async);
+        return dispatch(desc, bytes, calls::reduce_scatter_call(s_.get(), in, out, op), async);
       } else if constexpr (C == collective::all_to_all) {
-        return dispatch(desc, bytes, all_to_all_call(in, out), async);
+        return dispatch(desc, bytes, calls::all_to_all_call(s_.get(), in, out), async);
       } else if constexpr (C == collective::barrier) {
-        return dispatch(desc, bytes, barrier_call(), async);
+        return dispatch(desc, bytes, calls::barrier_call(s_.get()), async);
       } else if constexpr (C == collective::send) {
-        return dispatch(desc, bytes, send_call(in, c.root), async);
+        return dispatch(desc, bytes, calls::send_call(s_.get(), in, c.root), async);
       } else {
         static_assert(C == collective::recv);
-        return dispatch(desc, bytes, recv_call(out, c.root), async);
+        return dispatch(desc, bytes, calls::recv_call(s_.get(), out, c.root), async);
       }
     }
   }
 
-  // --- the calls into the backend (run at execution time, with the sequenced desc) --------
-  // Each uses what the backend declares (B::capabilities), in its extended form when it declares
-  // deadlines, and otherwise the fallback that backend_capabilities documents.
-  static constexpr backend_capabilities caps = detail::pg_capabilities<B>();
-
-  // ddp's own ops reach a backend that takes runtime reductions as the runtime_op of their kind:
-  // one call (and one backend instantiation) per element type for the five kinds.
-  template <class Op>
-  static constexpr bool as_runtime_op = detail::pg_runtime_reductions<B> && builtin_reduce_op<Op>;
-
-  template <class T, class Op>
-  auto all_reduce_call(std::span<T> data, Op op) {
-    if constexpr (as_runtime_op<Op>) return all_reduce_call(data, runtime_op{Op::kind});
-    else return [st = s_.get(), data, op](const collective_desc& d, deadline until) { backend_all_reduce(*st, data, op, d, until); };
-  }
-  template <class T, class Op>
-  auto all_reduce_call(std::span<const T> in, std::span<T> out, Op op) {
-    if constexpr (as_runtime_op<Op>) {
-      return all_reduce_call(in, out, runtime_op{Op::kind});
-    } else {
-      return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
-        if (in.data() != out.data()) copy_within(*st, out.data(), in.data(), in.size_bytes());
-        backend_all_reduce(*st, out, op, d, until);
-      };
-    }
-  }
-  template <class T, class Op>
-  static void backend_all_reduce(state& s, std::span<T> data, Op op, const collective_desc& d, deadline until) {
-    if constexpr (caps.deadlines) s.backend.all_reduce(data, op, d, until);
-    else s.backend.all_reduce(data, op);
-  }
-  template <class T>
-  static void backend_broadcast(state& s, std::span<T> data, int root, const collective_desc& d, deadline until) {
-    if constexpr (caps.deadlines) s.backend.broadcast(data, root, d, until);
-    else s.backend.broadcast(data, root);
-  }
-
-  template <class T>
-  auto broadcast_call(std::span<T> data, int root) {
-    return [st = s_.get(), data, root](const collective_desc& d, deadline until) { backend_broadcast(*st, data, root, d, until); };
-  }
-
-  template <class T, class Op>
-  auto reduce_call(std::span<T> data, int root, Op op) {
-    if constexpr (as_runtime_op<Op>) return reduce_call(data, root, runtime_op{Op::kind});
-    else return [st = s_.get(), data, root, op](const collective_desc& d, deadline until) {
-      if constexpr (caps.reduce && caps.deadlines) st->backend.reduce(data, root, op, d, until);
-      else if constexpr (caps.reduce) st->backend.reduce(data, root, op);
-      else {
-        (void)root;  // every rank gets the result: a valid reduce
-        backend_all_reduce(*st, data, op, d, until);
-      }
-    };
-  }
-
-  template <class T, class V>
-  static void backend_all_gather(state& s, std::span<const T> in, std::span<V> out, const collective_desc& d, deadline until) {
-    if constexpr (caps.all_gather && caps.deadlines) {
-      s.backend.all_gather(in, out, d, until);
-    } else if constexpr (caps.all_gather) {
-      s.backend.all_gather(in, out);
-    } else {
-      // One broadcast from each rank in turn, straight into its block of out.
-      const std::size_t n = in.size();
-      if (!in.empty()) copy_within(s, out.data() + static_cast<std::size_t>(s.rank) * n, in.data(), in.size_bytes());
-      for (int r = 0; r < s.size; ++r) backend_broadcast(s, out.subspan(static_cast<std::size_t>(r) * n, n), r, d, until);
-    }
-  }
-
-  template <class T>
-  auto all_gather_call(std::span<const T> in, std::span<T> out) {
-    return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
-      const auto input = unaliased(*st, in, out);  // e.g. in is this rank's slice of out
-      backend_all_gather(*st, std::span<const T>(input.data), out, d, until);
-    };
-  }
-
-  template <class T, class Op>
-  auto reduce_scatter_call(std::span<const T> in, std::span<T> out, Op op) {
-    if constexpr (as_runtime_op<Op>) return reduce_scatter_call(in, out, runtime_op{Op::kind});
-    else return [st = s_.get(), in, out, op](const collective_desc& d, deadline until) {
-      if constexpr (caps.reduce_scatter) {
-        const auto input = unaliased(*st, in, out);
-        const std::span<const T> src = input.data;
-        if constexpr (caps.deadlines) st->backend.reduce_scatter(src, out, op, d, until);
-        else st->backend.reduce_scatter(src, out, op);
-      } else {
-        // The whole input reduced on every rank (a copy: the input stays untouched), then this
-        // rank's block of it.
-        static_assert(B::memory == memory_space::host || (detail::pg_has_allocate<B, T> && detail::pg_has_copy_memory<B>),
-                      "a device-memory backend without reduce_scatter provides allocate<T>(n) and copy_memory(dst, src, bytes)");
-        using V = std::remove_cv_t<T>;
-        auto whole = [&] {
-          if constexpr (B::memory == memory_space::device) return st->backend.template allocate<V>(in.size());
-          else return std::vector<V>(in.size());
-        }();
-        copy_within(*st, whole.data(), in.data(), in.size_bytes());
-        backend_all_reduce(*st, std::span<V>(whole.data(), in.size()), op, d, until);
-        copy_within(*st, out.data(), whole.data() + static_cast<std::size_t>(st->rank) * out.size(), out.size_bytes());
-      }
-    };
-  }
-
-  template <class T>
-  auto all_to_all_call(std::span<const T> in, std::span<T> out) {
-    return [st = s_.get(), in, out](const collective_desc& d, deadline until) {
-      using V = std::remove_cv_t<T>;
-      const auto input = unaliased(*st, in, out);
-      const std::span<const T> src = input.data;
-      if constexpr (caps.all_to_all && caps.deadlines) {
-        st->backend.all_to_all(src, out, d, until);
-      } else if constexpr (caps.all_to_all) {
-        st->backend.all_to_all(src, out);
-      } else {
-        // Through all_gather: p times the traffic, but any backend can do it.
-        const auto p = static_cast<std::size_t>(st->size);
-        const std::size_t block = src.size() / p;
-        const auto me = static_cast<std::size_t>(st->rank);
-        std::vector<V> everything(src.size() * p);
-        backend_all_gather(*st, src, std::span<V>(everything), d, until);
-        for (std::size_t j = 0; j < p; ++j) {
-          std::copy_n(everything.begin() + static_cast<std::ptrdiff_t>(j * src.size() + me * block), block,
-                      out.begin() + static_cast<std::ptrdiff_t>(j * block));
-        }
-      }
-    };
-  }
-
-  auto barrier_call() {
-    return [st = s_.get()](const collective_desc& d, deadline until) {
-      if constexpr (caps.barrier && caps.deadlines) {
-        st->backend.barrier(d, until);
-      } else if constexpr (caps.barrier) {
-        st->backend.barrier();
-      } else {
-        // One element of the first type the backend takes, summed.
-        using V = std::conditional_t<supports_dtype_v<B, float>, float, std::conditional_t<supports_dtype_v<B, std::int32_t>, std::int32_t, double>>;
-        static_assert(B::memory == memory_space::host || detail::pg_has_allocate<B, V>,
-                      "a device-memory backend without barrier provides allocate<T>(n)");
-        auto one = [&] {
-          if constexpr (B::memory == memory_space::device) return st->backend.template allocate<V>(1);
-          else return std::vector<V>(1);
-        }();
-        backend_all_reduce(*st, std::span<V>(one.data(), 1), sum{}, d, until);
-      }
-    };
-  }
-
-  template <class T>
-  auto send_call(std::span<const T> data, int peer) {
-    if constexpr (!caps.send_recv) {
-      throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::send));
-      return [](const collective_desc&, deadline) {};  // never reached; gives the function its type
-    } else {
-      return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
-        if constexpr (caps.deadlines) st->backend.send(data, peer, d, until);
-        else st->backend.send(data, peer);
-      };
-    }
-  }
-  template <class T>
-  auto recv_call(std::span<T> data, int peer) {
-    if constexpr (!caps.send_recv) {
-      throw error(errc::unavailable, std::string("backend '") + std::string(backend_name()) + "' has no send/recv", call_context(collective::recv));
-      return [](const collective_desc&, deadline) {};  // never reached; gives the function its type
-    } else {
-      return [st = s_.get(), data, peer](const collective_desc& d, deadline until) {
-        if constexpr (caps.deadlines) st->backend.recv(data, peer, d, until);
-        else st->backend.recv(data, peer);
-      };
-    }
-  }
-
-  // --- memory the calls need -----------------------------------------------------------------
-  static void copy_within(state& s, void* dst, const void* src, std::size_t bytes) {
-    if constexpr (detail::pg_has_copy_memory<B>) {
-      s.backend.copy_memory(dst, src, bytes);
-    } else {
-      (void)s;
-      if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
-    }
-  }
-
-  // An input the backend may read while it writes the output: a private copy when the two
-  // overlap (in the backend's memory space), else the input itself.
-  template <class T>
-  struct private_input {
-    std::shared_ptr<void> owner;
-    std::span<const T> data;
-  };
-  template <class T, class U>
-  static private_input<T> unaliased(state& s, std::span<const T> in, std::span<U> out) {
-    if (!detail::pg_overlap(in, out)) return {nullptr, in};
-    using V = std::remove_cv_t<T>;
-    if constexpr (B::memory == memory_space::device) {
-      using A = std::conditional_t<std::is_same_v<V, std::byte>, std::uint8_t, V>;  // a record's bytes
-      static_assert(detail::pg_has_allocate<B, A> && detail::pg_has_copy_memory<B>,
-                    "a device-memory backend provides allocate<T>(n) and copy_memory(dst, src, bytes)");
-      using buffer = decltype(s.backend.template allocate<A>(in.size()));
-      auto owned = std::make_shared<buffer>(s.backend.template allocate<A>(in.size()));
-      copy_within(s, owned->data(), in.data(), in.size_bytes());
-      return {owned, std::span<const T>(reinterpret_cast<const T*>(owned->data()), in.size())};
-    } else {
-      (void)s;
-      auto owned = std::make_shared<std::vector<V>>(in.begin(), in.end());
-      return {owned, std::span<const T>(*owned)};
-    }
-  }
+  // The typed calls into the backend and their fallbacks (process_group/backend_calls.hpp).
+  using calls = detail::pg_backend_calls<B, state>;
 
   // --- execution ---------------------------------------------------------------------------
   error fail_fast(const collective_desc& desc) const { return fail_fast_of(*s_, desc); }
