@@ -68,7 +68,7 @@ struct index {
 index read_index(const std::filesystem::path& ckpt);
 
 /// Empty when the checkpoint is complete and every file matches the index; else why not.
-std::string verify(const std::filesystem::path& ckpt, int world_size_expected = -1);
+std::string verify(const std::filesystem::path& ckpt);
 
 void prune(const std::filesystem::path& dir, int keep);
 
@@ -134,7 +134,7 @@ DDP_COMPILED_INLINE index read_index(const std::filesystem::path& ckpt) {
   return out;
 }
 
-DDP_COMPILED_INLINE std::string verify(const std::filesystem::path& ckpt, int world_size_expected) {
+DDP_COMPILED_INLINE std::string verify(const std::filesystem::path& ckpt) {
   std::error_code ec;
   if (!std::filesystem::exists(ckpt / done_file, ec)) return "incomplete (no DONE marker)";
   index idx;
@@ -143,8 +143,6 @@ DDP_COMPILED_INLINE std::string verify(const std::filesystem::path& ckpt, int wo
   } catch (const std::exception& e) {
     return std::string("bad index.json: ") + e.what();
   }
-  if (world_size_expected > 0 && idx.world_size != world_size_expected)
-    return "saved by " + std::to_string(idx.world_size) + " ranks, this job has " + std::to_string(world_size_expected);
   for (const auto& f : idx.files) {
     const auto bytes = read_file(ckpt / f.path);
     if (!bytes) return f.path + " is missing";
