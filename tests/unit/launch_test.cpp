@@ -1,5 +1,6 @@
 // ddp::spawn / ddp::launch with real processes (this binary re-executed as the worker, see
-// tests/scripts/launch_worker.hpp), and the launcher's option parsing and checks.
+// tests/scripts/launch_worker.hpp), and the launcher's option checks (ddprun's command line:
+// tests/multiprocess/ddprun_test.cpp).
 #include <ddp/launch.hpp>
 
 #include <catch2/catch.hpp>
@@ -246,80 +247,6 @@ TEST_CASE("validate names the option that is wrong") {
     }
   }
   CHECK_NOTHROW(ddp::validate(ddp::launch_options{}));
-}
-
-TEST_CASE("parse_launcher_args accepts torchrun's flags in both spellings") {
-  using args = std::vector<std::string>;
-  {
-    const auto c = ddp::parse_launcher_args(args{"--standalone", "--nnodes=1", "--nproc-per-node=2", "./train", "--epochs", "3"});
-    CHECK(c.options.standalone);
-    CHECK(c.options.nnodes == 1);
-    CHECK(c.options.nproc_per_node == 2);
-    CHECK(c.program == args{"./train", "--epochs", "3"});
-  }
-  {
-    const auto c = ddp::parse_launcher_args(args{"--nnodes", "2:2", "--nproc_per_node", "4", "--node_rank=1", "--master_addr",
-                                                 "10.0.0.1", "--master-port=1234", "--max_restarts", "3", "--no-python",
-                                                 "--grace-period=0.5", "--tee", "3", "prog", "--nproc-per-node=9"});
-    CHECK(c.options.nnodes == 2);
-    CHECK(c.options.nproc_per_node == 4);
-    CHECK(c.options.node_rank == 1);
-    CHECK(c.options.master_addr == "10.0.0.1");
-    CHECK(c.options.master_port == 1234);
-    CHECK(c.options.max_restarts == 3);
-    CHECK(c.options.grace_period == 500ms);
-    CHECK(c.options.prefix_output);
-    CHECK(c.program == args{"prog", "--nproc-per-node=9"});  // after the program: the program's
-  }
-  {
-    const auto c = ddp::parse_launcher_args(args{"--rdzv-backend=c10d", "--rdzv_endpoint", "localhost:0", "--prefix-output", "--", "--odd-name"});
-    CHECK(c.warnings.size() == 2);
-    CHECK(c.options.prefix_output);
-    CHECK(c.program == args{"--odd-name"});
-  }
-  {
-    const auto c = ddp::parse_launcher_args(args{"--nproc-per-node=auto", "p"});
-    // The CPUs this process may run on: at least one, at most the machine's.
-    CHECK(c.options.nproc_per_node >= 1);
-    CHECK(c.options.nproc_per_node <= static_cast<int>(::sysconf(_SC_NPROCESSORS_CONF)));
-  }
-  CHECK(ddp::parse_launcher_args(args{"--help"}).help);
-  CHECK(ddp::parse_launcher_args(args{"-h", "whatever"}).help);
-  CHECK(ddp::parse_launcher_args(args{"--info"}).info);
-  CHECK_THAT(ddp::launcher_usage(), Catch::Contains("--nproc-per-node"));
-}
-
-TEST_CASE("parse_launcher_args rejects bad flags with one line naming the flag") {
-  using args = std::vector<std::string>;
-  const std::vector<std::pair<args, std::string>> table = {
-      {{"--bogus", "p"}, "unknown option '--bogus'"},
-      {{"-x", "p"}, "unknown option '-x'"},
-      {{"--nnodes"}, "option '--nnodes' needs a value"},
-      {{"--nnodes=abc", "p"}, "--nnodes='abc' is not a positive integer"},
-      {{"--nnodes=1:4", "p"}, "elastic node ranges are not supported"},
-      {{"--nproc-per-node=0", "p"}, "--nproc-per-node='0' is not a positive integer"},
-      {{"--nproc_per_node=two", "p"}, "--nproc-per-node='two'"},
-      {{"--master-port=70000", "p"}, "--master-port='70000' is out of range (expected 1-65535)"},
-      {{"--node-rank=-1", "p"}, "--node-rank='-1' is not a non-negative integer"},
-      {{"--standalone=yes", "p"}, "option '--standalone' takes no value"},
-      {{"--grace-period=soon", "p"}, "--grace-period='soon'"},
-      {{"--module", "m"}, "--module runs Python modules"},
-      {{"--standalone"}, "no program given"},
-      {{}, "no program given"},
-  };
-  for (const auto& [input, message] : table) {
-    std::string joined;
-    for (const auto& a : input) joined += a + " ";
-    INFO("args: " << joined);
-    try {
-      (void)ddp::parse_launcher_args(input);
-      FAIL_CHECK("no error; expected: " << message);
-    } catch (const ddp::error& e) {
-      CHECK(e.code() == ddp::errc::invalid_argument);
-      CHECK_THAT(e.message(), Catch::Contains(message));
-      CHECK(e.message().find('\n') == std::string::npos);
-    }
-  }
 }
 
 TEST_CASE("standalone picks a free loopback port that can be bound") {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.hpp"
 #include "ddp/core/env.hpp"
 #include "ddp/core/version.hpp"
 #include "ddp/launch.hpp"
