@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "command_line.hpp"
+#include "ddp/core/env_registry.hpp"
 #include "scripts/launch_worker.hpp"
 #include "support/skip.hpp"
 
@@ -396,6 +397,25 @@ TEST_CASE("ddprun --help and --info exit 0") {
   }
 }
 
+TEST_CASE("ddprun --env prints every variable of ddp's registry, one per line, and exits 0") {
+  require_ddprun();
+  ddp::test::child_process p({ddprun_exe, "--env"});
+  CHECK(p.wait(30s) == 0);
+  INFO(p.out_text);
+  const auto out = lines(p.out_text);
+  // Counted from the registry itself, not from what ddprun prints.
+  CHECK(out.size() == ddp::env_variables.size());
+  std::set<std::string> printed;
+  for (const auto& line : out) {
+    const auto w = words(line);
+    if (w.size() >= 2) printed.insert(w[0]);  // a name, then its meaning
+  }
+  for (const char* name : {"DDP_TIMEOUT", "MASTER_ADDR", "SLURM_PROCID"}) CHECK(printed.count(name) == 1);
+  std::set<std::string> registered;
+  for (const auto& v : ddp::env_variables) registered.insert(std::string(v.name));
+  CHECK(printed == registered);
+}
+
 TEST_CASE("ddprun --prefix-output prefixes each worker line with its rank") {
   require_ddprun();
   ddp::test::child_process p(ddprun({"--nproc-per-node=2", "--prefix-output"}, {"echo"}));
@@ -464,6 +484,7 @@ TEST_CASE("parse_launcher_args accepts torchrun's flags in both spellings") {
   CHECK(ddp::parse_launcher_args(args{"--help"}).help);
   CHECK(ddp::parse_launcher_args(args{"-h", "whatever"}).help);
   CHECK(ddp::parse_launcher_args(args{"--info"}).info);
+  CHECK(ddp::parse_launcher_args(args{"--env"}).env);
   CHECK_THAT(ddp::launcher_usage(), Catch::Contains("--nproc-per-node"));
 }
 

@@ -41,6 +41,7 @@ std::string launcher_usage(std::string_view name) {
          "  --role, --log-dir, --redirects, --local-addr\n"
          "                            accepted and ignored, with a warning\n"
          "  --info                    print ddp's version, backends, devices and the launch environment\n"
+         "  --env                     print every environment variable ddp reads, with its meaning\n"
          "  -h, --help                this text\n"
          "Example: " + n + " --standalone --nproc-per-node=2 ./train_ddp --epochs 3\n";
 }
@@ -148,6 +149,9 @@ launcher_command parse_launcher_args(const std::vector<std::string>& args) {
     } else if (flag == "--info") {
       no_value();
       cmd.info = true;
+    } else if (flag == "--env") {
+      no_value();
+      cmd.env = true;
     } else if (flag.rfind("--rdzv-", 0) == 0 || flag == "--monitor-interval" || flag == "--start-method" ||
                flag == "--role" || flag == "--log-dir" || flag == "--redirects" || flag == "--local-addr" ||
                flag == "--local-ranks-filter") {
@@ -160,7 +164,7 @@ launcher_command parse_launcher_args(const std::vector<std::string>& args) {
     }
   }
   cmd.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  if (cmd.program.empty() && !cmd.info) bad("no program given (usage: ddprun [options] program [args...])");
+  if (cmd.program.empty() && !cmd.info && !cmd.env) bad("no program given (usage: ddprun [options] program [args...])");
   return cmd;
 }
 

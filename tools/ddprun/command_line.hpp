@@ -13,9 +13,10 @@ namespace ddp {
 /// A parsed launcher command line: options, then the program and its arguments.
 struct launcher_command {
   launch_options options;
-  std::vector<std::string> program;   // empty with help or info
+  std::vector<std::string> program;   // empty with help, info or env
   bool help = false;
   bool info = false;
+  bool env = false;
   std::vector<std::string> warnings;  // accepted but ignored options
 };
 

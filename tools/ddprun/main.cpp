@@ -5,12 +5,14 @@
 // 128 + signal) becomes ddprun's.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "command_line.hpp"
 #include "ddp/core/env.hpp"
+#include "ddp/core/env_registry.hpp"
 #include "ddp/core/version.hpp"
 #include "ddp/launch.hpp"
 
@@ -86,6 +88,17 @@ int print_info() {
   return 0;
 }
 
+// One line per variable of ddp's registry: the name, padded to the longest, then its meaning.
+int print_env() {
+  std::size_t width = 0;
+  for (const auto& v : ddp::env_variables) width = std::max(width, v.name.size());
+  for (const auto& v : ddp::env_variables) {
+    std::printf("%-*.*s  %.*s\n", static_cast<int>(width), static_cast<int>(v.name.size()), v.name.data(),
+                static_cast<int>(v.meaning.size()), v.meaning.data());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -102,6 +115,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd.info) return print_info();
+  if (cmd.env) return print_env();
   for (const auto& w : cmd.warnings) std::fprintf(stderr, "ddprun: warning: %s\n", w.c_str());
   try {
     return ddp::launch(cmd.options, cmd.program).exit_code;
