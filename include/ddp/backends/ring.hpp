@@ -59,6 +59,7 @@
 #include "ddp/backends/ring/hierarchical.hpp"
 #include "ddp/backends/ring/ring_communicator.hpp"
 #include "ddp/backends/ring/shm_communicator.hpp"
+#include "ddp/backends/ring/transport/topology.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/host.hpp"
@@ -162,66 +163,7 @@ class ring_backend {
   /// Collective over the ranks: each constructs one with the same store, size and options.
   /// `store` may be null for a world of one.
   ring_backend(std::shared_ptr<store::store> store, int rank, int size, ring_options opts = {})
-      : s_(std::make_unique<state>()) {
-    if (size < 1 || rank < 0 || rank >= size) {
-      throw error(errc::invalid_argument, "ring_backend: rank " + std::to_string(rank) + " is not in a group of size " + std::to_string(size),
-                  {.rank = rank, .op = "ring_backend"});
-    }
-    if (!store) {
-      if (size > 1) throw error(errc::invalid_argument, "ring_backend: a group of " + std::to_string(size) + " ranks needs a store", {.rank = rank});
-      store = std::make_shared<store::hash_store>();  // nothing to meet: a private one
-    }
-    s_->store = std::move(store);
-    s_->rank = rank;
-    s_->size = size;
-    s_->options = std::move(opts);
-    const auto setup = deadline::after(s_->options.timeout);
-    const auto layout = decide(setup);
-    algo::ring_communicator_options co;
-    co.algorithm = s_->options.algorithm;
-    co.small_message_bytes = s_->options.small_message_bytes;
-    // The failure paths see the store through the heartbeat: while a peer is silent (it may be
-    // the store's host) they do not wait on it.
-    s_->liveness = std::make_shared<detail::heartbeat::status>();
-    const auto failure_store = std::make_shared<detail::heartbeat::guarded_store>(s_->store, s_->liveness);
-    co.failure_store = failure_store.get();
-    co.failure_store_owner = failure_store;  // a hung store host must not hold up a failure (ring_communicator)
-    co.failure_prefix = s_->options.prefix;
-    tcp_options to = s_->options.tcp;
-    to.timeout = s_->options.timeout;
-    if (s_->on_shm) {
-      s_->shm = std::make_unique<algo::shm_communicator>(*s_->store, s_->options.prefix + "/shm/", rank, size, setup, s_->options.shm);
-    } else if (!layout) {
-      s_->tcp = std::make_unique<tcp_comm>(tcp_transport(*s_->store, rank, size, s_->options.prefix + "/tcp", to), co);
-    } else {
-      // Built in the same order on every rank: the flat mesh (all ranks), this host's shared
-      // memory (its ranks), the leaders' mesh (leaders only); no rank waits on a later step.
-      auto flat = std::make_unique<tcp_comm>(tcp_transport(*s_->store, rank, size, s_->options.prefix + "/tcp", to), co);
-      const int host = layout->host_of[static_cast<std::size_t>(rank)];
-      const auto on = layout->ranks_on(host);
-      const int local_rank = layout->local_rank(rank);
-      const std::string hier = s_->options.prefix + "/hier/";
-      std::unique_ptr<algo::shm_communicator> local;
-      if (on.size() > 1) {
-        // A non-leader's wait for the broadcast spans its leader's whole inter-host ring: spin
-        // briefly, then yield the core (to the leader, when they share one) instead of spinning.
-        auto so = s_->options.shm;
-        so.wait.spin = std::min(so.wait.spin, so.wait.spin_oversubscribed);
-        local = std::make_unique<algo::shm_communicator>(*s_->store, hier + "host" + std::to_string(host) + "/", local_rank,
-                                                         static_cast<int>(on.size()), setup, so);
-      }
-      std::unique_ptr<tcp_comm> leaders;
-      if (local_rank == 0) {
-        algo::ring_communicator_options lo = co;
-        lo.failure_prefix = hier + "leaders";
-        leaders = std::make_unique<tcp_comm>(tcp_transport(*s_->store, host, layout->hosts, hier + "leaders", to), lo);
-      }
-      s_->hier = std::make_unique<hier_comm>(std::move(flat), std::move(local), std::move(leaders), *layout,
-                                             hier_comm::options{.failure_store = failure_store.get(), .leaders_failure_prefix = hier + "leaders"});
-    }
-    s_->failure_store = failure_store;
-    if (size > 1 && s_->options.heartbeat_timeout.count() > 0) start_heartbeat(setup);
-  }
+      : ring_backend(std::move(store), rank, size, std::move(opts), nullptr) {}
 
   int rank() const noexcept { return s_->rank; }
   int size() const noexcept { return s_->size; }
@@ -280,8 +222,6 @@ class ring_backend {
       case collective::barrier: return with([&](auto& comm) { comm.barrier(d, dl); });
       case collective::send: return with([&](auto& comm) { comm.send(in, c.root, d, dl); });
       case collective::recv: return with([&](auto& comm) { comm.recv(out, c.root, d, dl); });
-      case collective::gather:
-      case collective::scatter: break;
     }
     throw error(errc::unavailable, std::string(to_string(c.op)) + " is not offered by the ring backend", d.context(s_->rank));
   }
@@ -364,10 +304,85 @@ class ring_backend {
     ring_options o = s_->options;
     o.prefix = s_->options.prefix + "/" + tag;
     if (ranks.size() == 1) return ring_backend(nullptr, 0, 1, o);
-    return ring_backend(s_->store, sub_rank, static_cast<int>(ranks.size()), o);
+    const auto members = s_->topology.subset(ranks, sub_rank);
+    return ring_backend(s_->store, sub_rank, static_cast<int>(ranks.size()), o, &members);
   }
 
  private:
+  // `known`: the parent's topology of these ranks (split), so that a sub-group does not exchange it again.
+  ring_backend(std::shared_ptr<store::store> store, int rank, int size, ring_options opts, const rank_topology* known)
+      : s_(std::make_unique<state>()) {
+    if (size < 1 || rank < 0 || rank >= size) {
+      throw error(errc::invalid_argument, "ring_backend: rank " + std::to_string(rank) + " is not in a group of size " + std::to_string(size),
+                  {.rank = rank, .op = "ring_backend"});
+    }
+    if (!store) {
+      if (size > 1) throw error(errc::invalid_argument, "ring_backend: a group of " + std::to_string(size) + " ranks needs a store", {.rank = rank});
+      store = std::make_shared<store::hash_store>();  // nothing to meet: a private one
+    }
+    s_->store = std::move(store);
+    s_->rank = rank;
+    s_->size = size;
+    s_->options = std::move(opts);
+    const auto setup = deadline::after(s_->options.timeout);
+    if (known != nullptr) {
+      s_->topology = *known;
+      s_->hierarchy_choice = hierarchy_from_environment(known->mine().note.c_str());  // the note is its to_string
+    } else {
+      exchange_topology(setup);
+    }
+    const auto layout = decide();
+    algo::ring_communicator_options co;
+    co.algorithm = s_->options.algorithm;
+    co.small_message_bytes = s_->options.small_message_bytes;
+    // The failure paths see the store through the heartbeat: while a peer is silent (it may be
+    // the store's host) they do not wait on it.
+    s_->liveness = std::make_shared<detail::heartbeat::status>();
+    const auto failure_store = std::make_shared<detail::heartbeat::guarded_store>(s_->store, s_->liveness);
+    co.failure_store = failure_store.get();
+    co.failure_store_owner = failure_store;  // a hung store host must not hold up a failure (ring_communicator)
+    co.failure_prefix = s_->options.prefix;
+    tcp_options to = s_->options.tcp;
+    to.timeout = s_->options.timeout;
+    if (s_->on_shm) {
+      s_->shm = std::make_unique<algo::shm_communicator>(*s_->store, s_->options.prefix + "/shm/", rank, size, setup, s_->options.shm, &s_->topology);
+    } else if (!layout) {
+      s_->tcp = std::make_unique<tcp_comm>(tcp_transport(*s_->store, rank, size, s_->options.prefix + "/tcp", to, &s_->topology), co);
+    } else {
+      // Built in the same order on every rank: the flat mesh (all ranks), this host's shared
+      // memory (its ranks), the leaders' mesh (leaders only); no rank waits on a later step.
+      auto flat = std::make_unique<tcp_comm>(tcp_transport(*s_->store, rank, size, s_->options.prefix + "/tcp", to, &s_->topology), co);
+      const int host = layout->host_of[static_cast<std::size_t>(rank)];
+      const auto on = layout->ranks_on(host);
+      const int local_rank = layout->local_rank(rank);
+      const std::string hier = s_->options.prefix + "/hier/";
+      std::unique_ptr<algo::shm_communicator> local;
+      if (on.size() > 1) {
+        // A non-leader's wait for the broadcast spans its leader's whole inter-host ring: spin
+        // briefly, then yield the core (to the leader, when they share one) instead of spinning.
+        auto so = s_->options.shm;
+        so.wait.spin = std::min(so.wait.spin, so.wait.spin_oversubscribed);
+        const auto local_topology = s_->topology.subset(on, local_rank);
+        local = std::make_unique<algo::shm_communicator>(*s_->store, hier + "host" + std::to_string(host) + "/", local_rank,
+                                                         static_cast<int>(on.size()), setup, so, &local_topology);
+      }
+      std::unique_ptr<tcp_comm> leaders;
+      if (local_rank == 0) {
+        algo::ring_communicator_options lo = co;
+        lo.failure_prefix = hier + "leaders";
+        std::vector<int> leader_ranks;
+        for (int h = 0; h < layout->hosts; ++h) leader_ranks.push_back(layout->ranks_on(h).front());
+        const auto leaders_topology = s_->topology.subset(leader_ranks, host);
+        leaders = std::make_unique<tcp_comm>(tcp_transport(*s_->store, host, layout->hosts, hier + "leaders", to, &leaders_topology), lo);
+      }
+      s_->hier = std::make_unique<hier_comm>(std::move(flat), std::move(local), std::move(leaders), *layout,
+                                             hier_comm::options{.failure_store = failure_store.get(), .leaders_failure_prefix = hier + "leaders"});
+    }
+    s_->failure_store = failure_store;
+    if (size > 1 && s_->options.heartbeat_timeout.count() > 0) start_heartbeat(setup);
+  }
+
+
   using tcp_comm = algo::ring_communicator<tcp_transport>;
   using hier_comm = algo::hierarchical_communicator<tcp_comm, tcp_comm>;
 
@@ -378,6 +393,8 @@ class ring_backend {
     ring_options options;
     bool on_shm = false;
     int hosts = 0;
+    rank_topology topology;  // where every rank runs: exchanged once, handed to every layer below
+    ring_options::hierarchy_kind hierarchy_choice = ring_options::hierarchy_kind::automatic;  // published with it
     std::shared_ptr<detail::heartbeat::status> liveness;  // before the communicators: they see the store through it
     std::shared_ptr<store::store> failure_store;
     std::unique_ptr<algo::shm_communicator> shm;
@@ -434,7 +451,7 @@ class ring_backend {
     else if (s_->hier) host = detail::heartbeat::host_of_address(s_->hier->flat().transport().address());
     state* st = s_.get();
     s_->monitor = std::make_unique<detail::heartbeat::liveness_monitor>(*s_->store, s_->options.prefix, s_->rank, s_->size, s_->options.heartbeat_timeout,
-                                                                host, setup, s_->liveness, [st](const std::string&) { st->abort_all(); });
+                                                                host, setup, s_->topology, s_->liveness, [st](const std::string&) { st->abort_all(); });
   }
 
   template <class T>
@@ -443,8 +460,20 @@ class ring_backend {
   }
   deadline plain_deadline() const { return deadline::after(s_->options.timeout); }
 
+  // Where every rank runs, with its hierarchy choice (every rank must choose the same): one
+  // exchange for the whole set-up (the layout below, the transports, the heartbeat).
+  void exchange_topology(deadline setup) {
+    using kind = ring_options::transport_kind;
+    using hier = ring_options::hierarchy_kind;
+    s_->hierarchy_choice = s_->options.hierarchy;
+    if (s_->size > 1 && s_->hierarchy_choice == hier::automatic && s_->options.transport == kind::automatic)
+      s_->hierarchy_choice = hierarchy_from_environment();
+    s_->topology = rank_topology::exchange(*s_->store, s_->options.prefix + "/topology/", s_->rank, s_->size, setup,
+                                           std::string(to_string(s_->hierarchy_choice)), s_->options.host_identity);
+  }
+
   // Sets on_shm and hosts; returns the host layout when all_reduce is to be hierarchical.
-  std::optional<algo::host_layout> decide(deadline setup) {
+  std::optional<algo::host_layout> decide() {
     using kind = ring_options::transport_kind;
     using hier = ring_options::hierarchy_kind;
     const auto choice = s_->options.transport;
@@ -460,27 +489,18 @@ class ring_backend {
       return std::nullopt;
     }
     if (choice == kind::tcp) return std::nullopt;
-    if (hierarchy == hier::automatic && choice == kind::automatic) hierarchy = hierarchy_from_environment();
-    // Every rank publishes its choice and where it runs: "<choice> <host identity>".
-    auto& st = *s_->store;
-    const std::string key = s_->options.prefix + "/host/";
-    const std::string mine = s_->options.host_identity.empty() ? ddp::host_identity() : s_->options.host_identity;
-    st.set_string(key + std::to_string(s_->rank), std::string(to_string(hierarchy)) + " " + mine);
-    std::vector<std::string> keys;
-    for (int r = 0; r < s_->size; ++r) keys.push_back(key + std::to_string(r));
-    ddp::store::wait_for_ranks(st, s_->size, s_->rank, [&](int r) { return keys[static_cast<std::size_t>(r)]; }, setup.remaining(),
-                               "their host identity");
+    hierarchy = s_->hierarchy_choice;
+    // Every rank published its choice with where it runs (exchange_topology).
     std::vector<std::string> ids;
     for (int r = 0; r < s_->size; ++r) {
-      std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);
-      const auto space = v.find(' ');
-      const std::string theirs = v.substr(0, space == std::string::npos ? v.size() : space);
-      if (theirs != to_string(hierarchy)) {
-        throw error(errc::config, "ranks disagree on the hierarchy: rank " + std::to_string(r) + " chose '" + theirs + "', this rank '" +
+      const auto& place = s_->topology.of(r);
+      if (place.note != to_string(hierarchy)) {
+        throw error(errc::config, "ranks disagree on the hierarchy: rank " + std::to_string(r) + " chose '" + place.note + "', this rank '" +
                                       std::string(to_string(hierarchy)) + "' (ring_options::hierarchy or DDP_RING_HIERARCHY)", here);
       }
-      ids.push_back(space == std::string::npos ? std::string() : v.substr(space + 1));
+      ids.push_back(place.layout_identity);
     }
+    const std::string& mine = s_->topology.mine().layout_identity;
     auto layout = algo::host_layout::from_identities(ids);
     s_->hosts = layout.hosts;
     log_containers(ids, mine);

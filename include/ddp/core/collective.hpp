@@ -19,7 +19,7 @@
 namespace ddp {
 
 enum class collective : std::uint8_t {
-  all_reduce = 1, broadcast, reduce, all_gather, reduce_scatter, all_to_all, barrier, send, recv, gather, scatter
+  all_reduce = 1, broadcast, reduce, all_gather, reduce_scatter, all_to_all, barrier, send, recv
 };
 
 constexpr std::string_view to_string(collective c) noexcept {
@@ -33,8 +33,6 @@ constexpr std::string_view to_string(collective c) noexcept {
     case collective::barrier: return "barrier";
     case collective::send: return "send";
     case collective::recv: return "recv";
-    case collective::gather: return "gather";
-    case collective::scatter: return "scatter";
   }
   return "unknown";
 }
@@ -53,7 +51,7 @@ struct collective_desc {
     return op == collective::all_reduce || op == collective::reduce || op == collective::reduce_scatter;
   }
   constexpr bool has_root() const noexcept {
-    return op == collective::broadcast || op == collective::reduce || op == collective::gather || op == collective::scatter;
+    return op == collective::broadcast || op == collective::reduce;
   }
 
   /// e.g. "float32 x 1024, sum" or "int64 x 8, root 0": the detail part of an error message.

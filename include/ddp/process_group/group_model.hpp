@@ -159,8 +159,6 @@ class pg_group_model final : public pg_group_interface {
         if (async) return g.recv_async(out, c.root);
         g.recv(out, c.root);
         return {};
-      case collective::gather:
-      case collective::scatter: break;
     }
     throw error(errc::unavailable, std::string(to_string(c.op)) + " is not offered by ddp::group", {.rank = rank()});
   }

@@ -66,13 +66,15 @@ class shm_communicator {
   /// Collective: every rank of the group constructs one with the same store, prefix and size.
   shm_communicator(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup)
       : shm_communicator(st, prefix, rank, size, setup, options{}) {}
-  shm_communicator(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup, options opts)
+  /// `topology`: where the ranks run, when the caller has exchanged it (the ring backend).
+  shm_communicator(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup, options opts,
+                   const rank_topology* topology = nullptr)
       : opts_(checked(opts)),
         layout_{opts_.small_bytes, opts_.chunk_bytes, opts_.depth},
         rank_(rank),
         size_(size),
-        group_(st, prefix, "c", rank, size, layout_.total_bytes(), setup, opts_.wait),
-        p2p_(st, prefix + "p2p/", rank, size, setup, {opts_.p2p_ring_bytes, opts_.wait}),
+        group_(st, prefix, "c", rank, size, layout_.total_bytes(), setup, opts_.wait, SIZE_MAX, topology),
+        p2p_(st, prefix + "p2p/", rank, size, setup, {opts_.p2p_ring_bytes, opts_.wait}, topology),
         registry_(std::make_shared<ddp::detail::shared_registry>()) {}
 
   shm_communicator(const shm_communicator&) = delete;

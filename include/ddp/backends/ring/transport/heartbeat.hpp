@@ -53,6 +53,7 @@
 #include "ddp/core/error.hpp"
 #include "ddp/core/host.hpp"
 #include "ddp/store/store.hpp"
+#include "ddp/backends/ring/transport/topology.hpp"
 
 namespace ddp::detail::heartbeat {
 
@@ -211,7 +212,8 @@ class liveness_monitor {
   /// under <prefix>/hb/<rank>, reads every peer's, and starts the thread. Collective: every rank
   /// of the group constructs one, after its transport is built.
   liveness_monitor(ddp::store::store& st, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout,
-                   const std::string& bind_host, deadline setup, std::shared_ptr<status> shared, on_lost_fn on_lost)
+                   const std::string& bind_host, deadline setup, const rank_topology& topology, std::shared_ptr<status> shared,
+                   on_lost_fn on_lost)
       : rank_(rank), size_(size), timeout_(timeout), s_(std::move(shared)), on_lost_(std::move(on_lost)) {
     const error_context here{.rank = rank, .op = "heartbeat"};
     token_ = std::random_device{}() | (std::uint64_t{std::random_device{}()} << 32);
@@ -219,7 +221,6 @@ class liveness_monitor {
     wake_ = fd_guard(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (wake_.get() < 0) throw error(errc::internal, system_message("eventfd"), here);
 
-    const std::string identity = ddp::host_identity();
     char numeric[NI_MAXHOST] = {}, port[NI_MAXSERV] = {};
     if (::getnameinfo(reinterpret_cast<const sockaddr*>(&my_addr_), my_len_, numeric, sizeof numeric, port, sizeof port,
                       NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
@@ -227,7 +228,7 @@ class liveness_monitor {
     }
     auto key = [&](int r) { return prefix + "/hb/" + std::to_string(r); };
     std::ostringstream mine;
-    mine << token_ << ' ' << ::getpid() << ' ' << numeric << ' ' << port << ' ' << identity;
+    mine << token_ << ' ' << numeric << ' ' << port;
     st.set_string(key(rank), mine.str());
     ddp::store::wait_for_ranks(st, size, rank, key, setup.remaining(), "their heartbeat address");
     peers_.resize(static_cast<std::size_t>(size));
@@ -237,12 +238,13 @@ class liveness_monitor {
       p.rank = r;
       std::istringstream in(st.get_string(key(r)));
       std::string addr, service;
-      in >> p.token >> p.pid >> addr >> service;
-      std::getline(in >> std::ws, p.identity);
+      in >> p.token >> addr >> service;
       if (p.token == 0 || service.empty()) throw error(errc::store, "store key '" + key(r) + "' does not hold a ddp heartbeat address", here);
-      p.host = p.identity.substr(0, p.identity.find(' '));
+      p.pid = static_cast<long>(topology.of(r).pid);
+      p.identity = topology.of(r).identity;
+      p.host = topology.of(r).hostname();
       resolve(addr, service, p, here);
-      if (p.identity == identity && p.pid > 0) {
+      if (topology.shares_host_with(r) && p.pid > 0) {
         // Its process is visible: its exit is seen at once, and a stop can be told apart.
         p.pidfd = fd_guard(static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(p.pid), 0)));
       }

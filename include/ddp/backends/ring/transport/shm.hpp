@@ -43,10 +43,12 @@ class shm_transport {
   /// The prefix keeps several transports (sub-groups) apart in one store.
   shm_transport(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup)
       : shm_transport(st, prefix, rank, size, setup, options{}) {}
-  shm_transport(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup, options opts)
+  /// `topology`: where the ranks run, when the caller has it (see rank_topology).
+  shm_transport(ddp::store::store& st, const std::string& prefix, int rank, int size, deadline setup, options opts,
+                const rank_topology* topology = nullptr)
       : capacity_(checked_capacity(opts.ring_bytes)),
         group_(st, prefix, "t", rank, size, ring_stride(capacity_) * static_cast<std::size_t>(std::max(size - 1, 1)), setup,
-               opts.wait, 0),
+               opts.wait, 0, topology),
         backed_(static_cast<std::size_t>(size), 0) {}
 
   int rank() const noexcept { return group_.rank(); }

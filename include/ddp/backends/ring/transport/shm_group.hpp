@@ -48,6 +48,7 @@
 #include "ddp/core/error.hpp"
 #include "ddp/store/store.hpp"
 #include "ddp/backends/ring/transport/shm_segment.hpp"
+#include "ddp/backends/ring/transport/topology.hpp"
 
 namespace ddp::detail::shm {
 
@@ -68,14 +69,15 @@ class shm_group {
   /// payload is backed by memory up to `reserved_payload` bytes; the rest when it is populate()d
   /// or written.
   shm_group(ddp::store::store& st, const std::string& prefix, const std::string& tag, int rank, int size,
-            std::size_t payload_bytes, deadline dl, shm_wait_policy policy = {}, std::size_t reserved_payload = SIZE_MAX)
+            std::size_t payload_bytes, deadline dl, shm_wait_policy policy = {}, std::size_t reserved_payload = SIZE_MAX,
+            const rank_topology* topology = nullptr)
       : rank_(rank), size_(size), policy_(policy), payload_bytes_(round_up(payload_bytes, 4096)) {
     if (size < 1 || rank < 0 || rank >= size) {
       throw error(errc::invalid_argument, "shm group: rank " + std::to_string(rank) + " of size " + std::to_string(size) + " is out of range");
     }
     oversubscribed_ = size > usable_cpus();
     try {
-      set_up(st, prefix, tag, rank, size, dl, reserved_payload);
+      set_up(st, prefix, tag, rank, size, dl, reserved_payload, topology);
     } catch (const error& e) {
       if (e.rank() >= 0) throw;
       auto c = e.context();  // the reporting rank, so that its line says who it is
@@ -86,7 +88,17 @@ class shm_group {
 
  private:
   void set_up(ddp::store::store& st, const std::string& prefix, const std::string& tag, int rank, int size, deadline dl,
-              std::size_t reserved_payload) {
+              std::size_t reserved_payload, const rank_topology* topology) {
+    // One host: from the topology when the caller has it (the ring backend), else each rank
+    // publishes its host name with its segment.
+    if (topology != nullptr) {
+      for (int r = 0; r < size; ++r) {
+        if (!topology->shares_host_with(r)) {
+          throw error(errc::config, "rank " + std::to_string(r) + " runs on host '" + topology->of(r).hostname() + "', this rank on '" +
+                                        topology->mine().hostname() + "': shared memory needs every rank of the group on one host");
+        }
+      }
+    }
     const std::string keys = prefix + "shm/" + tag + "/";
     const std::string job_key = keys + "job";
     std::string job;
@@ -109,7 +121,7 @@ class shm_group {
     me->membarrier = DDP_SHM_TSAN ? 0 : register_membarrier() ? 1 : 0;
     me->magic = identity::magic_value;
     asymmetric_ = me->membarrier == 1;
-    const std::string host = hostname();
+    const std::string host = topology != nullptr ? std::string() : hostname();
     st.set_string(keys + "ready/" + std::to_string(rank),
                   std::to_string(::getpid()) + " " + std::to_string(segments_[static_cast<std::size_t>(rank)].fd()) + " " + host);
 
@@ -126,10 +138,10 @@ class shm_group {
       long long peer_pid = 0;
       int peer_fd = -1, host_at = 0;
       if (std::sscanf(value.c_str(), "%lld %d %n", &peer_pid, &peer_fd, &host_at) < 2 || host_at <= 0) {
-        throw error(errc::internal, "shm group: rank " + std::to_string(r) + " published '" + value + "', not '<pid> <fd> <host>'");
+        throw error(errc::internal, "shm group: rank " + std::to_string(r) + " published '" + value + "', not '<pid> <fd> [<host>]'");
       }
       const std::string peer_host = value.substr(static_cast<std::size_t>(host_at));
-      if (peer_host != host) {
+      if (topology == nullptr && peer_host != host) {
         throw error(errc::config, "rank " + std::to_string(r) + " runs on host '" + peer_host + "', this rank on '" + host +
                                       "': shared memory needs every rank of the group on one host");
       }

@@ -58,6 +58,7 @@
 #include "ddp/backends/ring/transport/pieces.hpp"
 #include "ddp/backends/ring/transport/shm_segment.hpp"
 #include "ddp/backends/ring/transport/socket.hpp"
+#include "ddp/backends/ring/transport/topology.hpp"
 
 namespace ddp {
 
@@ -276,7 +277,9 @@ class spin_policy {
 
 class tcp_transport {
  public:
-  tcp_transport(ddp::store::store& store, int rank, int size, std::string prefix, tcp_options opts = {})
+  /// `topology`: where the ranks run, when the caller has exchanged it already (the ring
+  /// backend); without it the transport exchanges its own.
+  tcp_transport(ddp::store::store& store, int rank, int size, std::string prefix, tcp_options opts = {}, const rank_topology* topology = nullptr)
       : s_(std::make_unique<state>()) {
     if (size < 1 || rank < 0 || rank >= size) {
       throw error(errc::invalid_argument, "tcp_transport: rank " + std::to_string(rank) + " is not in a group of size " + std::to_string(size));
@@ -286,7 +289,7 @@ class tcp_transport {
     s_->peers = std::vector<peer_link>(static_cast<std::size_t>(size));
     s_->wake = detail::tcp::unique_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!s_->wake) throw error(errc::internal, system_message("eventfd"));
-    if (size > 1) connect_mesh(store, prefix, opts);
+    if (size > 1) connect_mesh(store, prefix, opts, topology);
   }
   tcp_transport(tcp_transport&&) noexcept = default;
   tcp_transport& operator=(tcp_transport&&) noexcept = default;
@@ -484,13 +487,12 @@ class tcp_transport {
 
   /// How many of the group's ranks run on this host (this one included), from the host
   /// identities every rank publishes (as `me`) before it listens or connects.
-  int ranks_on_this_host(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const std::string& me) {
+  /// The ranks sharing this host, from the topology this transport published (see connect_mesh).
+  int ranks_on_this_host(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
     std::vector<std::string> keys;
-    for (int r = 0; r < s_->size; ++r) keys.push_back(prefix + "/tcp/host/" + std::to_string(r));
+    for (int r = 0; r < s_->size; ++r) keys.push_back(prefix + "/topology/" + std::to_string(r));
     wait_for_ranks(store, keys, opts.timeout, "publish their host identity");
-    int n = 0;
-    for (const auto& k : keys) n += store.get_string(k) == me ? 1 : 0;
-    return n;
+    return rank_topology::read(store, prefix + "/topology/", s_->rank, s_->size).ranks_on_this_host();
   }
 
   /// The listen address when none is given: loopback when every rank runs on this host.
@@ -560,7 +562,7 @@ class tcp_transport {
     }
   }
 
-  void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
+  void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const rank_topology* topology) {
     const deadline dl = deadline::after(opts.timeout);
     const int rank = s_->rank, size = s_->size;
     const std::uint64_t prefix_hash = detail::tcp::fnv1a(prefix);
@@ -568,12 +570,11 @@ class tcp_transport {
     // The ranks on this host decide the listen address (when none is given) and whether waits
     // may spin. With an address given, the count waits until the mesh is built, so a rank
     // listens before the others arrive; by then every rank has published (before connecting).
-    const std::string identity = ddp::host_identity();
-    store.set_string(prefix + "/tcp/host/" + std::to_string(rank), identity);
+    int ranks_on_host = topology != nullptr ? topology->ranks_on_this_host() : 0;
+    if (topology == nullptr) rank_topology::publish(store, prefix + "/topology/", rank);
     std::string host = given_listen_address(opts);
-    int ranks_on_host = 0;
     if (host.empty()) {
-      ranks_on_host = ranks_on_this_host(store, prefix, opts, identity);
+      if (ranks_on_host == 0) ranks_on_host = ranks_on_this_host(store, prefix, opts);
       host = choose_listen_address(ranks_on_host);
     }
     detail::tcp::unique_fd listener = detail::tcp::listen_ephemeral(host, size + 64);
@@ -717,7 +718,7 @@ class tcp_transport {
         }
       }
     }
-    if (ranks_on_host == 0) ranks_on_host = ranks_on_this_host(store, prefix, opts, identity);
+    if (ranks_on_host == 0) ranks_on_host = ranks_on_this_host(store, prefix, opts);
     s_->spin = detail::tcp::spin_policy(detail::tcp::spin_budget(spin, ranks_on_host, detail::shm::usable_cpus()));
     // The listener and any stranger still waiting are closed here.
   }

@@ -1,0 +1,129 @@
+#pragma once
+// ddp::rank_topology: where every rank of a group runs (host identity, process id), exchanged
+// once through the store when the ring backend is set up and handed to every layer that needs
+// it: the choice of shared memory, tcp or a hierarchy, the tcp mesh's listen address and spin
+// policy, the shared-memory group's one-host check, the heartbeat's pidfd watch. A transport
+// built on its own (without a backend) exchanges one itself, the same way.
+
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ddp/core/deadline.hpp"
+#include "ddp/core/error.hpp"
+#include "ddp/core/host.hpp"
+#include "ddp/store/store.hpp"
+
+namespace ddp {
+
+struct rank_place {
+  std::string identity;       // host_identity(): hostname, boot id, namespaces
+  std::string layout_identity;  // the host it counts as when ranks are grouped by host (a testing hook may pose; else identity)
+  long long pid = 0;
+  std::string note;  // what the exchanging layer adds (the ring backend: its hierarchy choice)
+
+  /// The host name, for messages.
+  std::string hostname() const { return identity.substr(0, identity.find(' ')); }
+};
+
+class rank_topology {
+ public:
+  rank_topology() = default;
+  rank_topology(int rank, std::vector<rank_place> places) : rank_(rank), places_(std::move(places)) {}
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return static_cast<int>(places_.size()); }
+  const rank_place& of(int r) const { return places_.at(static_cast<std::size_t>(r)); }
+  const rank_place& mine() const { return of(rank_); }
+  const std::vector<rank_place>& places() const noexcept { return places_; }
+
+  /// Whether rank r runs on this rank's host and can share its memory and see its processes.
+  bool shares_host_with(int r) const { return of(r).identity == mine().identity; }
+  int ranks_on_this_host() const {
+    int n = 0;
+    for (const auto& p : places_) n += p.identity == mine().identity ? 1 : 0;
+    return n;
+  }
+
+  /// The topology of a sub-group: `members` are ranks of this one, in the sub-group's order;
+  /// this rank is sub-group rank `new_rank`.
+  rank_topology subset(std::span<const int> members, int new_rank) const {
+    std::vector<rank_place> sub;
+    sub.reserve(members.size());
+    for (int r : members) sub.push_back(of(r));
+    return rank_topology(new_rank, std::move(sub));
+  }
+
+  /// Every rank publishes its place under <key_prefix><rank> and reads everyone's. Collective.
+  /// `layout_identity` empty: the real identity; `note` travels as it is (no newline).
+  static rank_topology exchange(store::store& st, const std::string& key_prefix, int rank, int size, deadline until,
+                                const std::string& note = {}, const std::string& layout_identity = {}) {
+    if (size <= 1) return rank_topology(rank, {here(note, layout_identity)});
+    publish(st, key_prefix, rank, note, layout_identity);
+    store::wait_for_ranks(st, size, rank, [&](int r) { return key_prefix + std::to_string(r); }, until.remaining(),
+                          "where they run (host identity)");
+    return read(st, key_prefix, rank, size);
+  }
+
+  /// The two halves of exchange(), for a caller that waits for the keys its own way.
+  static void publish(store::store& st, const std::string& key_prefix, int rank, const std::string& note = {},
+                      const std::string& layout_identity = {}) {
+    const rank_place me = here(note, layout_identity);
+    st.set_string(key_prefix + std::to_string(rank), std::to_string(me.pid) + "\n" + me.identity + "\n" + me.layout_identity + "\n" + me.note);
+  }
+  /// Every rank's place, once all have published.
+  static rank_topology read(store::store& st, const std::string& key_prefix, int rank, int size) {
+    std::vector<rank_place> places;
+    places.reserve(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) {
+      const std::string key = key_prefix + std::to_string(r);
+      places.push_back(parse(st.get_string(key), key, rank));
+    }
+    return rank_topology(rank, std::move(places));
+  }
+
+ private:
+  static rank_place here(const std::string& note, const std::string& layout_identity) {
+    rank_place me{.identity = host_identity(), .layout_identity = {}, .pid = static_cast<long long>(::getpid()), .note = note};
+    me.layout_identity = layout_identity.empty() ? me.identity : layout_identity;
+    return me;
+  }
+
+  static rank_place parse(const std::string& value, const std::string& key, int rank) {
+    rank_place p;
+    std::size_t at = 0;
+    auto field = [&]() -> std::string {
+      const auto end = value.find('\n', at);
+      if (end == std::string::npos) {
+        std::string last = value.substr(at);
+        at = value.size() + 1;
+        return last;
+      }
+      std::string f = value.substr(at, end - at);
+      at = end + 1;
+      return f;
+    };
+    const std::string pid = field();
+    p.identity = field();
+    p.layout_identity = field();
+    const bool complete = at <= value.size();
+    p.note = complete ? field() : std::string();
+    char* end = nullptr;
+    p.pid = std::strtoll(pid.c_str(), &end, 10);
+    if (!complete || pid.empty() || *end != '\0' || p.identity.empty()) {
+      throw error(errc::store, "store key '" + key + "' does not hold where a ddp rank runs ('" + value + "')", {.rank = rank});
+    }
+    return p;
+  }
+
+  int rank_ = 0;
+  std::vector<rank_place> places_;
+};
+
+}  // namespace ddp
