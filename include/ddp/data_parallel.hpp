@@ -46,6 +46,12 @@
 // the vectors behind them) for the life of the wrapper. mark_ready may be called from any thread
 // (calls are serialized); finish(), synchronize() and no_sync() belong to the training loop.
 //
+// sharded_data_parallel (ddp/data_parallel/sharded_data_parallel.hpp) is ZeRO stage 1 and 2 over
+// the same parameter containers and buckets: each rank keeps the optimizer state (and in stage 2
+// the accumulated gradients) of one padded shard of every bucket, reduce-scatters the gradients
+// and all-gathers the stepped parameters; bitwise what DDP + the same optimizer gives wherever
+// the sums agree (see that header).
+//
 // This header only gathers the pieces: each is a header of its own in ddp/data_parallel/.
 
 #include "ddp/data_parallel/any_work.hpp"
@@ -58,3 +64,4 @@
 #include "ddp/data_parallel/stats.hpp"
 #include "ddp/data_parallel/waitable.hpp"
 #include "ddp/parameters.hpp"
+#include "ddp/data_parallel/sharded_data_parallel.hpp"
