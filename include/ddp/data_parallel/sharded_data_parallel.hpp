@@ -56,6 +56,9 @@
 // distributed_data_parallel's own construction (same checks, same messages). Host memory, and
 // every parameter of the optimizer's value_type; mark_ready may be called from any thread (calls
 // are serialized); finish(), step() and no_sync() belong to the training loop.
+//
+// Over 400 lines on purpose: one class template whose private members share its buffers, step
+// state and mutex, as distributed_data_parallel's; the pure layout is apart (shard_layout.hpp).
 
 #include <algorithm>
 #include <concepts>
