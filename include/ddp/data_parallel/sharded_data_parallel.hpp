@@ -209,6 +209,12 @@ class sharded_data_parallel {
     }
     check_and_broadcast();
     for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].memory != memory_space::host) {
+        throw error(errc::unavailable,
+                    describe_parameter(i, params_[i].name) + " is in " + std::string(to_string(params_[i].memory)) +
+                        " memory: sharded_data_parallel copies and steps shards on the host for now",
+                    context());
+      }
       if (params_[i].type != dtype_of<T>) {
         throw error(errc::invalid_argument,
                     describe_parameter(i, params_[i].name) + " is " + std::string(to_string(params_[i].type)) +
