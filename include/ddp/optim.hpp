@@ -6,8 +6,10 @@
 //   adamw.hpp        torch.optim.AdamW (foreach=False, fused=False)
 //   grad_scaler.hpp  torch.amp.GradScaler (the caller agrees found_inf across ranks)
 //   clip.hpp         torch.nn.utils.clip_grad_norm_, and its distributed form
+//   distributed.hpp  the collectives: found_inf agreed across ranks, the sharded global norm
 
 #include "ddp/optim/adamw.hpp"
 #include "ddp/optim/clip.hpp"
+#include "ddp/optim/distributed.hpp"
 #include "ddp/optim/grad_scaler.hpp"
 #include "ddp/optim/sgd.hpp"
