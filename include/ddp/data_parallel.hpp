@@ -65,3 +65,4 @@
 #include "ddp/data_parallel/waitable.hpp"
 #include "ddp/parameters.hpp"
 #include "ddp/data_parallel/sharded_data_parallel.hpp"
+#include "ddp/data_parallel/join.hpp"

@@ -1,0 +1,271 @@
+// join_context (ddp/data_parallel/join.hpp): uneven inputs over forked ranks, shm and tcp.
+//
+// W = 3 ranks with 3, 5 and 7 batches. Each gradient is a function of (rank, batch, parameter,
+// element) on a 2^-12 grid, so every order of summing a step's gradients gives the same float;
+// the reference is a plain loop in one process that sums the gradients of the ranks still
+// active at each step, divides by W or by their count, and applies the same SGD step. Every
+// rank must end bitwise equal to it (so to each other), with no hang, in both divisor modes.
+// throw_on_early_termination: every rank throws in the 4th iteration, naming rank 0.
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#if __has_include("ddp/process_group.hpp") && __has_include("ddp/backends/ring.hpp") && __has_include("ddp/store/file_store.hpp")
+#define DDP_TEST_HAVE_RING 1
+#include "ddp/backends/ring.hpp"
+#include "ddp/process_group.hpp"
+#include "ddp/store/file_store.hpp"
+#endif
+
+#include <bit>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ddp/data_parallel.hpp"
+#include "ddp/parameters.hpp"
+#include "support/multiprocess.hpp"
+
+namespace ddp_test_join {
+
+using namespace std::chrono_literals;
+
+#ifndef DDP_TEST_HAVE_RING
+TEST_CASE("join: uneven inputs over forked ranks") {
+  WARN("SKIPPED: ddp/process_group.hpp, ddp/backends/ring.hpp or ddp/store/file_store.hpp is not in this tree");
+}
+#else
+
+using ddp::test::check;
+using kind = ddp::ring_options::transport_kind;
+
+namespace {
+
+constexpr int world = 3;
+constexpr int batches_of[world] = {3, 5, 7};
+constexpr float lr = 0.25f;
+const std::vector<std::size_t> sizes = {5, 3, 4, 6};
+
+// On a 2^-12 grid with |g| <= 8 * 2^-12: any sum of three is exact in float.
+float grad_of(int rank, int batch, std::size_t k, std::size_t j) {
+  const auto v = static_cast<int>((static_cast<std::size_t>(rank) * 7 + static_cast<std::size_t>(batch) * 5 + k * 3 + j * 11) % 17) - 8;
+  return static_cast<float>(v) / 4096.0f;
+}
+// Rank 0's start (the wrapper broadcasts it); the others start elsewhere on purpose.
+float init_of(int rank, std::size_t k, std::size_t j) { return static_cast<float>(k + j) / 16.0f + static_cast<float>(rank); }
+
+struct model {
+  std::vector<std::vector<float>> values, grads;
+  explicit model(int rank) {
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      values.emplace_back(sizes[k]);
+      grads.emplace_back(sizes[k]);
+      for (std::size_t j = 0; j < sizes[k]; ++j) values[k][j] = init_of(rank, k, j);
+    }
+  }
+  friend std::vector<ddp::parameter_ref> parameters(model& m) {
+    std::vector<ddp::parameter_ref> out;
+    for (std::size_t k = 0; k < sizes.size(); ++k)
+      out.push_back(ddp::make_parameter(std::span(m.values[k]), std::span(m.grads[k]), {}, "p" + std::to_string(k)));
+    return out;
+  }
+  void sgd() {
+    for (std::size_t k = 0; k < sizes.size(); ++k)
+      for (std::size_t j = 0; j < sizes[k]; ++j) values[k][j] = values[k][j] - lr * grads[k][j];
+  }
+  std::string hex() const {
+    std::string s;
+    char buf[16];
+    for (const auto& v : values)
+      for (float x : v) {
+        std::snprintf(buf, sizeof buf, "%08x", std::bit_cast<std::uint32_t>(x));
+        s += buf;
+      }
+    return s;
+  }
+};
+
+/// One process, no wrapper: the averaged gradient over the ranks active at each step.
+model reference(bool divide_by_initial_world_size) {
+  model m(0);
+  for (int s = 0; s < batches_of[world - 1]; ++s) {
+    int active = 0;
+    for (int r = 0; r < world; ++r) active += batches_of[r] > s ? 1 : 0;
+    const float divisor = static_cast<float>(divide_by_initial_world_size ? world : active);
+    for (std::size_t k = 0; k < sizes.size(); ++k)
+      for (std::size_t j = 0; j < sizes[k]; ++j) {
+        float sum = 0;
+        for (int r = 0; r < world; ++r)
+          if (batches_of[r] > s) sum += grad_of(r, s, k, j);
+        m.grads[k][j] = sum / divisor;
+      }
+    m.sgd();
+  }
+  return m;
+}
+
+struct store_file {
+  explicit store_file(const std::string& name)
+      : path(std::string(DDP_TEST_BINARY_DIR) + "/join_" + name + "_" + std::to_string(::getpid()) + ".store") {
+    std::remove(path.c_str());
+  }
+  ~store_file() { std::remove(path.c_str()); }
+  std::string path;
+};
+
+ddp::process_group<ddp::ring_backend> make_group(const std::string& path, int rank, kind transport) {
+  auto store = std::make_shared<ddp::store::file_store>(path);
+  ddp::ring_options o;
+  o.transport = transport;
+  o.timeout = 60s;
+  return ddp::process_group<ddp::ring_backend>(ddp::ring_backend(store, rank, world, o), {.timeout = 60s});
+}
+
+// As in data_parallel_mp_test: nobody exits before every rank has finished its last collective
+// (the shm transport takes a peer that exited for a lost one while a third rank still sends).
+void leave_together(const std::string& path, int rank) {
+  ddp::store::file_store store(path);
+  store.set_string("left/" + std::to_string(rank), "1");
+  std::vector<std::string> keys;
+  for (int r = 0; r < world; ++r) keys.push_back("left/" + std::to_string(r));
+  store.wait(keys, 60s);
+}
+
+struct run_config {
+  kind transport = kind::shm;
+  ddp::join_options join{};
+  ddp::data_parallel_options ddp{};
+  const int* batches = batches_of;
+};
+
+// One rank's training loop; returns the final parameters as hex.
+void train(const run_config& c, int rank, const std::string& path) {
+  auto group = make_group(path, rank, c.transport);
+  check(group.backend().on_shared_memory() == (c.transport == kind::shm), "transport chosen as asked");
+  model m(rank);
+  ddp::distributed_data_parallel net{m, group, c.ddp};
+  ddp::join_context join{net, group, c.join};
+  for (int b = 0; b < c.batches[rank]; ++b) {
+    join.begin_step();
+    check(join.active_ranks() == (c.join.throw_on_early_termination ? world : [&] {
+            int a = 0;
+            for (int r = 0; r < world; ++r) a += c.batches[r] > b ? 1 : 0;
+            return a;
+          }()),
+          "the step's count of active ranks");
+    for (std::size_t k = 0; k < sizes.size(); ++k)
+      for (std::size_t j = 0; j < sizes[k]; ++j) m.grads[k][j] = grad_of(rank, b, k, j);
+    for (std::size_t k = sizes.size(); k-- > 0;) net.mark_ready(k);
+    net.finish();
+    m.sgd();
+  }
+  join.finish();
+  std::printf("authoritative %d shadowed %zu\nparams %s\n", join.authoritative_rank(), join.shadowed_steps(), m.hex().c_str());
+  leave_together(path, rank);
+}
+
+std::string params_line(const std::string& output) {
+  const auto at = output.find("params ");
+  if (at == std::string::npos) return {};
+  return output.substr(at + 7, output.find('\n', at) - at - 7);
+}
+
+void run_uneven(const run_config& c, const std::string& name) {
+  store_file sf(name);
+  const auto result = ddp::test::run_ranks(world, [&](int rank) { train(c, rank, sf.path); }, 120s);
+  INFO(result.describe());
+  REQUIRE(result.ok());
+  const std::string expected = reference(c.join.divide_by_initial_world_size).hex();
+  for (int r = 0; r < world; ++r) {
+    const auto& out = result.ranks[static_cast<std::size_t>(r)].output;
+    INFO("rank " << r << ": " << out);
+    CHECK(params_line(out) == expected);
+    CHECK(out.find("authoritative 2 ") != std::string::npos);
+    // Rank r shadows the steps it has no batch for: 7 - batches.
+    CHECK(out.find("shadowed " + std::to_string(batches_of[world - 1] - batches_of[r]) + "\n") != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("join: the reference is not the even run (the test can tell the divisors apart)") {
+  CHECK(reference(true).hex() != reference(false).hex());
+}
+
+TEST_CASE("join: 3, 5 and 7 batches, divide by the initial world size, shm") {
+  run_uneven({.transport = kind::shm}, "init_shm");
+}
+TEST_CASE("join: 3, 5 and 7 batches, divide by the initial world size, tcp") {
+  run_uneven({.transport = kind::tcp}, "init_tcp");
+}
+TEST_CASE("join: 3, 5 and 7 batches, divide by the ranks still training, shm") {
+  run_uneven({.transport = kind::shm, .join = {.divide_by_initial_world_size = false}}, "active_shm");
+}
+TEST_CASE("join: 3, 5 and 7 batches, divide by the ranks still training, tcp") {
+  run_uneven({.transport = kind::tcp, .join = {.divide_by_initial_world_size = false}}, "active_tcp");
+}
+TEST_CASE("join: one parameter per bucket, overlap off, both divisors, shm") {
+  const ddp::data_parallel_options tiny{.bucket_cap_bytes = 1, .first_bucket_bytes = 1, .overlap = false};
+  run_uneven({.transport = kind::shm, .ddp = tiny}, "tiny_init");
+  run_uneven({.transport = kind::shm, .join = {.divide_by_initial_world_size = false}, .ddp = tiny}, "tiny_active");
+}
+
+TEST_CASE("join: throw_on_early_termination throws on every rank in the 4th iteration, naming rank 0") {
+  for (const kind transport : {kind::shm, kind::tcp}) {
+    store_file sf(transport == kind::shm ? "throw_shm" : "throw_tcp");
+    const auto result = ddp::test::run_ranks(
+        world,
+        [&](int rank) {
+          auto group = make_group(sf.path, rank, transport);
+          model m(rank);
+          ddp::distributed_data_parallel net{m, group};
+          ddp::join_context join{net, group, {.throw_on_early_termination = true}};
+          int iteration = 0;
+          try {
+            for (int b = 0; b < batches_of[rank]; ++b) {
+              ++iteration;
+              join.begin_step();
+              for (std::size_t k = 0; k < sizes.size(); ++k)
+                for (std::size_t j = 0; j < sizes[k]; ++j) m.grads[k][j] = grad_of(rank, b, k, j);
+              net.synchronize();
+              m.sgd();
+            }
+            ++iteration;
+            join.finish();
+          } catch (const ddp::error& e) {
+            std::printf("iteration %d: %s\n", iteration, e.what());
+            check(e.code() == ddp::errc::mismatch, "errc::mismatch");
+            leave_together(sf.path, rank);
+            return;
+          }
+          check(false, "rank " + std::to_string(rank) + " should have thrown");
+        },
+        120s);
+    INFO(result.describe());
+    REQUIRE(result.ok());
+    for (const auto& r : result.ranks) {
+      INFO(r.output);
+      CHECK(r.output.find("iteration 4: ") != std::string::npos);
+      CHECK(r.output.find("rank 0 ran out of inputs") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("join: throw_on_early_termination with even inputs does not throw") {
+  static constexpr int even[world] = {4, 4, 4};
+  store_file sf("even");
+  const auto result = ddp::test::run_ranks(
+      world, [&](int rank) { train({.join = {.throw_on_early_termination = true}, .batches = even}, rank, sf.path); }, 120s);
+  INFO(result.describe());
+  REQUIRE(result.ok());
+  const auto first = params_line(result.ranks[0].output);
+  CHECK(!first.empty());
+  for (const auto& r : result.ranks) CHECK(params_line(r.output) == first);
+}
+
+#endif
+
+}  // namespace ddp_test_join
