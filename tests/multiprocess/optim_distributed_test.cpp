@@ -314,6 +314,10 @@ void sharded_run(int rank, group_type& group, const inf_schedule& sched, int sta
           check(net.shard_gradients()[b.shard_offset + i] == 0.0f, "padding of the shard gradient is zero");
   }
 
+  // The adapter forwards the wrapped optimizer's state(), so stats() counts it as before.
+  const auto stats = net.stats();
+  check(stats.steps == steps && stats.optimizer_state_bytes == ddp::detail::optimizer_state_bytes(sgd), "stats see the wrapped optimizer");
+
   std::vector<int> schedule(steps, 0);
   schedule[static_cast<std::size_t>(sched.step)] = 1;
   const auto expected = expected_scales(schedule);
