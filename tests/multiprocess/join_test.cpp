@@ -6,6 +6,8 @@
 // active at each step, divides by W or by their count, and applies the same SGD step. Every
 // rank must end bitwise equal to it (so to each other), with no hang, in both divisor modes.
 // throw_on_early_termination: every rank throws in the 4th iteration, naming rank 0.
+// Golden: nn.Linear(3, 2) + MSELoss under torch's Join (tests/data/join_golden.json, made by
+// tests/scripts/make_join_golden.py), both divisor modes, within 2e-7.
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -17,10 +19,15 @@
 #include "ddp/store/file_store.hpp"
 #endif
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -189,6 +196,88 @@ void run_uneven(const run_config& c, const std::string& name) {
   }
 }
 
+
+// --- against real PyTorch: nn.Linear(3, 2), MSELoss, SGD, Join (tests/data/join_golden.json) --
+
+constexpr int g_batch = 4, g_in = 3, g_out = 2;
+constexpr float g_lr = 0.125f;
+// Torch divides each rank's gradient by the divisor before summing, and its mse/addmm kernels
+// round in another order: about one float32 ulp after 7 steps (measured 1.5e-8 on x86-64).
+constexpr double g_tolerance = 2e-7;
+
+// The formulas of make_join_golden.py: small multiples of powers of two, exact in float.
+float g_x(int r, int b, int n, int i) { return static_cast<float>((7 * r + 3 * b + 5 * n + 11 * i) % 13 - 6) / 8.0f; }
+float g_y(int r, int b, int n, int k) { return static_cast<float>((5 * r + 2 * b + 3 * n + 7 * k) % 11 - 5) / 4.0f; }
+
+struct linear {
+  std::vector<float> w, gw, b, gb;
+  linear() : w(g_in * g_out), gw(g_in * g_out), b(g_out), gb(g_out) {
+    for (int k = 0; k < g_out; ++k) {
+      for (int i = 0; i < g_in; ++i) w[static_cast<std::size_t>(k * g_in + i)] = static_cast<float>((3 * k + i) % 5 - 2) / 8.0f;
+      b[static_cast<std::size_t>(k)] = static_cast<float>(2 * k - 1) / 8.0f;
+    }
+  }
+  friend std::vector<ddp::parameter_ref> parameters(linear& m) {
+    return {ddp::make_parameter(std::span(m.w), std::span(m.gw), {g_out, g_in}, "weight"),
+            ddp::make_parameter(std::span(m.b), std::span(m.gb), {g_out}, "bias")};
+  }
+  // Gradient of mean((W x + b - y)^2) over batch x outputs.
+  void backward(int r, int bt) {
+    std::fill(gw.begin(), gw.end(), 0.0f);
+    std::fill(gb.begin(), gb.end(), 0.0f);
+    for (int n = 0; n < g_batch; ++n)
+      for (int k = 0; k < g_out; ++k) {
+        float o = b[static_cast<std::size_t>(k)];
+        for (int i = 0; i < g_in; ++i) o += w[static_cast<std::size_t>(k * g_in + i)] * g_x(r, bt, n, i);
+        const float e = 2.0f * (o - g_y(r, bt, n, k)) / static_cast<float>(g_batch * g_out);
+        gb[static_cast<std::size_t>(k)] += e;
+        for (int i = 0; i < g_in; ++i) gw[static_cast<std::size_t>(k * g_in + i)] += e * g_x(r, bt, n, i);
+      }
+  }
+  void sgd() {
+    for (std::size_t j = 0; j < w.size(); ++j) w[j] -= g_lr * gw[j];
+    for (std::size_t j = 0; j < b.size(); ++j) b[j] -= g_lr * gb[j];
+  }
+};
+
+std::vector<float> from_hex(const std::string& hex) {
+  std::vector<float> out;
+  for (std::size_t at = 0; at + 8 <= hex.size(); at += 8) {
+    std::uint32_t bits = 0;
+    for (int byte = 0; byte < 4; ++byte)
+      bits |= static_cast<std::uint32_t>(std::stoul(hex.substr(at + 2 * static_cast<std::size_t>(byte), 2), nullptr, 16)) << (8 * byte);
+    out.push_back(std::bit_cast<float>(bits));
+  }
+  return out;
+}
+
+void golden_rank(int rank, const std::string& path, kind transport, bool divide) {
+  std::ifstream in(std::string(DDP_TEST_DATA_DIR) + "/join_golden.json");
+  check(in.good(), "tests/data/join_golden.json is readable");
+  const auto golden = nlohmann::json::parse(in)["divide_by_initial_world_size"][divide ? "true" : "false"];
+  auto group = make_group(path, rank, transport);
+  linear m;
+  ddp::distributed_data_parallel net{m, group};
+  ddp::join_context join{net, group, {.divide_by_initial_world_size = divide}};
+  for (int bt = 0; bt < batches_of[rank]; ++bt) {
+    join.begin_step();
+    m.backward(rank, bt);
+    net.mark_ready(1);
+    net.mark_ready(0);
+    net.finish();
+    m.sgd();
+  }
+  join.finish();
+  const auto w = from_hex(golden["weight"].get<std::string>()), b = from_hex(golden["bias"].get<std::string>());
+  check(w.size() == m.w.size() && b.size() == m.b.size(), "golden sizes");
+  double worst = 0;
+  for (std::size_t j = 0; j < w.size(); ++j) worst = std::max(worst, std::abs(static_cast<double>(w[j]) - m.w[j]));
+  for (std::size_t j = 0; j < b.size(); ++j) worst = std::max(worst, std::abs(static_cast<double>(b[j]) - m.b[j]));
+  std::printf("rank %d: max |torch - ddp| = %.3g\n", rank, worst);
+  check(worst <= g_tolerance, "within " + std::to_string(g_tolerance) + " of torch's Join: " + std::to_string(worst));
+  leave_together(path, rank);
+}
+
 }  // namespace
 
 TEST_CASE("join: the reference is not the even run (the test can tell the divisors apart)") {
@@ -264,6 +353,28 @@ TEST_CASE("join: throw_on_early_termination with even inputs does not throw") {
   const auto first = params_line(result.ranks[0].output);
   CHECK(!first.empty());
   for (const auto& r : result.ranks) CHECK(params_line(r.output) == first);
+}
+
+TEST_CASE("join: equals real PyTorch's Join on nn.Linear(3, 2) + MSE, both divisors, shm and tcp") {
+  {
+    // The tolerance tells the two divisors apart: torch's results for them differ far more.
+    std::ifstream in(std::string(DDP_TEST_DATA_DIR) + "/join_golden.json");
+    REQUIRE(in.good());
+    const auto modes = nlohmann::json::parse(in)["divide_by_initial_world_size"];
+    const auto a = from_hex(modes["true"]["weight"].get<std::string>()), b = from_hex(modes["false"]["weight"].get<std::string>());
+    REQUIRE(a.size() == b.size());
+    double apart = 0;
+    for (std::size_t j = 0; j < a.size(); ++j) apart = std::max(apart, std::abs(static_cast<double>(a[j]) - b[j]));
+    CHECK(apart > 1000 * g_tolerance);
+  }
+  for (const kind transport : {kind::shm, kind::tcp})
+    for (const bool divide : {true, false}) {
+      store_file sf(std::string("golden_") + (transport == kind::shm ? "shm" : "tcp") + (divide ? "_init" : "_active"));
+      const auto result = ddp::test::run_ranks(world, [&](int rank) { golden_rank(rank, sf.path, transport, divide); }, 120s);
+      for (const auto& r : result.ranks) std::printf("golden %s %s: %s", transport == kind::shm ? "shm" : "tcp", divide ? "W" : "active", r.output.c_str());
+      INFO(result.describe());
+      CHECK(result.ok());
+    }
 }
 
 #endif
