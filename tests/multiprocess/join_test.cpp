@@ -17,6 +17,7 @@
 #include "ddp/backends/ring.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
+#include "ddp/group.hpp"
 #endif
 
 #include <nlohmann/json.hpp>
@@ -146,12 +147,12 @@ struct run_config {
   ddp::join_options join{};
   ddp::data_parallel_options ddp{};
   const int* batches = batches_of;
+  bool type_erased = false;  // through ddp::group (what init_process_group returns)
 };
 
-// One rank's training loop; returns the final parameters as hex.
-void train(const run_config& c, int rank, const std::string& path) {
-  auto group = make_group(path, rank, c.transport);
-  check(group.backend().on_shared_memory() == (c.transport == kind::shm), "transport chosen as asked");
+// One rank's training loop; prints the final parameters as hex.
+template <class Group>
+void train_in(const run_config& c, int rank, Group& group) {
   model m(rank);
   ddp::distributed_data_parallel net{m, group, c.ddp};
   ddp::join_context join{net, group, c.join};
@@ -171,6 +172,17 @@ void train(const run_config& c, int rank, const std::string& path) {
   }
   join.finish();
   std::printf("authoritative %d shadowed %zu\nparams %s\n", join.authoritative_rank(), join.shadowed_steps(), m.hex().c_str());
+}
+
+void train(const run_config& c, int rank, const std::string& path) {
+  auto group = make_group(path, rank, c.transport);
+  check(group.backend().on_shared_memory() == (c.transport == kind::shm), "transport chosen as asked");
+  if (c.type_erased) {
+    ddp::group erased(std::move(group));
+    train_in(c, rank, erased);
+  } else {
+    train_in(c, rank, group);
+  }
   leave_together(path, rank);
 }
 
@@ -300,6 +312,12 @@ TEST_CASE("join: one parameter per bucket, overlap off, both divisors, shm") {
   const ddp::data_parallel_options tiny{.bucket_cap_bytes = 1, .first_bucket_bytes = 1, .overlap = false};
   run_uneven({.transport = kind::shm, .ddp = tiny}, "tiny_init");
   run_uneven({.transport = kind::shm, .join = {.divide_by_initial_world_size = false}, .ddp = tiny}, "tiny_active");
+}
+
+TEST_CASE("join: through the type-erased ddp::group, both divisors, tcp") {
+  static_assert(ddp::collective_group<ddp::group>);
+  run_uneven({.transport = kind::tcp, .type_erased = true}, "erased_init");
+  run_uneven({.transport = kind::tcp, .join = {.divide_by_initial_world_size = false}, .type_erased = true}, "erased_active");
 }
 
 TEST_CASE("join: throw_on_early_termination throws on every rank in the 4th iteration, naming rank 0") {

@@ -67,8 +67,10 @@
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/reduce_op.hpp"
+#include "ddp/data_parallel/any_work.hpp"
 #include "ddp/data_parallel/bucket_view.hpp"
 #include "ddp/data_parallel/distributed_data_parallel.hpp"
+#include "ddp/data_parallel/waitable.hpp"
 #include "ddp/parameters.hpp"
 
 namespace ddp {
@@ -164,7 +166,7 @@ class join_context {
       return;
     }
     std::int64_t count = 1;
-    group_->all_reduce(std::span<std::int64_t>(&count, 1), sum{});
+    reduce(std::span<std::int64_t>(&count, 1), sum{});
     active_ = count;
   }
 
@@ -185,7 +187,7 @@ class join_context {
     bool last = true;
     for (;; ++step_) {
       std::int64_t count = 0;
-      group_->all_reduce(std::span<std::int64_t>(&count, 1), sum{});
+      reduce(std::span<std::int64_t>(&count, 1), sum{});
       if (count == 0) break;
       last = false;
       ++shadowed_;
@@ -206,6 +208,17 @@ class join_context {
   const join_options& options() const noexcept { return options_; }
 
  private:
+  // The blocking all_reduce where the group has one; collective_group only promises the async one.
+  template <class Op>
+  void reduce(std::span<std::int64_t> v, Op op) {
+    if constexpr (requires { group_->all_reduce(v, op); }) {
+      group_->all_reduce(v, op);
+    } else {
+      auto w = group_->all_reduce_async(v, op);
+      w.wait();
+    }
+  }
+
   error_context context() const { return {.rank = group_->rank(), .op = "join"}; }
 
   error ran_out(std::int64_t rank) const {
@@ -219,14 +232,14 @@ class join_context {
   // [0] < W when some rank ran out (the lowest such rank), [1] < 0 while some rank still trains.
   std::array<std::int64_t, 2> exchange_termination(bool out) {
     std::array<std::int64_t, 2> v = {out ? static_cast<std::int64_t>(group_->rank()) : world_, out ? 0 : -1};
-    group_->all_reduce(std::span<std::int64_t>(v), min{});
+    reduce(std::span<std::int64_t>(v), min{});
     return v;
   }
 
   void sync_parameters(bool last) {
     // In the throw_on_early_termination mode everyone arrives together: all are last joiners.
     std::int64_t root = last ? static_cast<std::int64_t>(group_->rank()) : -1;
-    group_->all_reduce(std::span<std::int64_t>(&root, 1), max{});
+    reduce(std::span<std::int64_t>(&root, 1), max{});
     authoritative_ = static_cast<int>(root);
     if (group_->size() <= 1) return;
     for (const auto& p : net_->parameters()) {
