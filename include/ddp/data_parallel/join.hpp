@@ -28,11 +28,12 @@
 //    joined ranks' zeros make that torch's divide_by_initial_world_size = true. With false torch
 //    divides by the number of ranks that ran this iteration's forward (the count above). Here
 //    the join then installs a comm hook on the wrapper: all_reduce(sum) of the bucket, then
-//    divide by that step's count. Torch multiplies each rank's gradient by 1/div before summing
-//    (the reducer's copy into the bucket); here the exact sum is divided once, so the two agree
-//    to rounding, and bitwise with a plain sum / count whenever the sum is exact. A hook rather
-//    than a rescale after finish(): the training loop keeps calling net.finish() and the
-//    division is by the count itself, not sum / W * (W / count) with two roundings.
+//    divide by that step's count. In both modes torch multiplies each rank's gradient by 1/div
+//    before summing (the reducer's copy into the bucket); here the sum is divided once, so the
+//    two agree to rounding, and bitwise with a plain sum / div whenever the sum is exact. A hook
+//    rather than a rescale after finish(): the training loop keeps calling net.finish() and the
+//    division is by the count itself, not sum / W * (W / count) with two roundings. (A hooked
+//    wrapper hands its last bucket to the communication thread instead of reducing it inline.)
 //  - throw_on_early_termination: begin_step() is instead an all_reduce (min) of {W, -1} from a
 //    training rank and {its rank, 0} from a rank in finish(): a first value below W means some
 //    rank ran out in this iteration, the second below 0 that some rank still trains; then every
@@ -40,6 +41,7 @@
 //    lowest, if several ran out together) and the iteration. When all ranks reach finish()
 //    together the inputs were even: no error, parameters synchronized. Torch uses a second
 //    all_reduce for the check; one suffices because no count is needed once everyone throws.
+//    (Torch's training ranks raise without naming the rank; its joined rank names itself.)
 //
 // Differences from torch, on purpose:
 //  - begin_step() is explicit (torch hooks DDP's forward). Call it once per step that ends in a
