@@ -326,13 +326,21 @@ TEST_CASE("ring_backend: different collectives at one sequence number are a mism
 TEST_CASE("ring_backend: a rank that exits is noticed at once by the others") {
   for (kind transport : {kind::shm, kind::tcp}) {
     store_file file(std::string("death") + std::string(ddp::to_string(transport)));
+    store_file done_file(std::string("death-done") + std::string(ddp::to_string(transport)));
     const auto result = ddp::test::run_ranks(
         3,
         [&](int rank) {
           auto g = make_group(file.path, rank, 3, transport, 60s);
           std::vector<float> v(1000, 1.0f);
           g.all_reduce(v);  // everyone is connected
-          if (rank == 2) ::_exit(0);
+          // Rank 2 leaves only once the others have returned from that all_reduce: its own return
+          // does not mean theirs, and a peer lost inside it would fail it.
+          ddp::store::file_store done(done_file.path);
+          if (rank != 2) done.set_string("returned/" + std::to_string(rank), "1");
+          if (rank == 2) {
+            done.wait({"returned/0", "returned/1"}, 30s);
+            ::_exit(0);
+          }
           const auto start = std::chrono::steady_clock::now();
           try {
             for (int i = 0; i < 100; ++i) g.all_reduce(v);
