@@ -477,7 +477,7 @@ class ring_backend {
     using kind = ring_options::transport_kind;
     using hier = ring_options::hierarchy_kind;
     const auto choice = s_->options.transport;
-    auto hierarchy = s_->options.hierarchy;
+    const auto hierarchy = s_->hierarchy_choice;  // options.hierarchy, or DDP_RING_HIERARCHY's under 'auto'
     const error_context here{.rank = s_->rank, .op = "ring_backend"};
     if (hierarchy == hier::hierarchical && choice != kind::automatic) {
       throw error(errc::config, "hierarchy 'hierarchical' needs transport 'auto' (it mixes shm and tcp), not '" + std::string(to_string(choice)) + "'",
@@ -489,7 +489,6 @@ class ring_backend {
       return std::nullopt;
     }
     if (choice == kind::tcp) return std::nullopt;
-    hierarchy = s_->hierarchy_choice;
     // Every rank published its choice with where it runs (exchange_topology).
     std::vector<std::string> ids;
     for (int r = 0; r < s_->size; ++r) {

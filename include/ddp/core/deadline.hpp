@@ -85,8 +85,8 @@ DDP_COMPILED_INLINE std::chrono::milliseconds parse_timeout(const char* text) {
 }  // namespace detail
 
 DDP_COMPILED_INLINE std::chrono::milliseconds default_timeout() {
-  const char* text = read_env("DDP_TIMEOUT");
-  if (text == nullptr || *text == '\0') return std::chrono::seconds(300);
+  const char* text = read_env_nonempty("DDP_TIMEOUT");
+  if (text == nullptr) return std::chrono::seconds(300);
   return detail::parse_timeout(text);
 }
 #endif  // !DDP_DECLARATIONS_ONLY

@@ -124,7 +124,7 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
   const bool any_port = options.standalone || options.master_port == 0;
   std::string token = options.store_token;
   if (token.empty()) {
-    if (const char* t = read_env("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') token = t;
+    if (const char* t = read_env_nonempty("DDP_STORE_TOKEN"); t != nullptr) token = t;
     else if (options.nnodes == 1) token = detail::random_hex(16);
     else {
       detail::log_line(options, "warning: DDP_STORE_TOKEN is not set, so the store accepts any client; "
@@ -380,7 +380,7 @@ DDP_COMPILED_INLINE launch_result launch(const launch_options& options, const st
   detail::check_not_one_of_many(o);
   if (o.job_id.empty()) o.job_id = detail::launcher_job_id(o.nnodes);
   if (o.store_token.empty()) {
-    if (const char* t = read_env("DDP_STORE_TOKEN"); t != nullptr && *t != '\0') o.store_token = t;
+    if (const char* t = read_env_nonempty("DDP_STORE_TOKEN"); t != nullptr) o.store_token = t;
     else if (o.nnodes == 1) o.store_token = detail::random_hex(16);
   }
   for (int attempt = 0;; ++attempt) {

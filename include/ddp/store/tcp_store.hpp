@@ -82,13 +82,13 @@ struct store_auth {
 /// `export DDP_STORE_TOKEN=` must not open the store.
 inline store_auth resolve_auth(const std::optional<std::string>& token, std::string_view job) {
   if (token) return {*token, token->empty() ? "options::token is empty" : "", ""};
-  if (const char* a = read_env("DDP_STORE_AUTH"); a != nullptr && *a != '\0') {
+  if (const char* a = read_env_nonempty("DDP_STORE_AUTH"); a != nullptr) {
     const std::string_view v(a);
     if (v == "off" || v == "0" || v == "false" || v == "no") return {"", "DDP_STORE_AUTH=" + std::string(v), ""};
     if (v != "on" && v != "1" && v != "true" && v != "yes")
       throw error(errc::config, "DDP_STORE_AUTH='" + std::string(v) + "' (expected on or off)");
   }
-  if (const char* env = read_env("DDP_STORE_TOKEN"); env != nullptr && *env != '\0') return {env, "", ""};
+  if (const char* env = read_env_nonempty("DDP_STORE_TOKEN"); env != nullptr) return {env, "", ""};
   const std::string path = secret_path();
   std::string why_not;
   if (const auto secret = load_or_create_secret(path, why_not)) return {derive_token(*secret, job), "", path};

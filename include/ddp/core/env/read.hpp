@@ -34,8 +34,8 @@ std::chrono::milliseconds default_heartbeat_timeout();
 // Reading the environment is compiled once with the compiled library (ddp/core/compiled.hpp).
 #if !DDP_DECLARATIONS_ONLY
 DDP_COMPILED_INLINE std::chrono::milliseconds default_heartbeat_timeout() {
-  const char* text = read_env("DDP_HEARTBEAT_TIMEOUT");
-  if (text == nullptr || *text == '\0') return std::chrono::seconds(5);
+  const char* text = read_env_nonempty("DDP_HEARTBEAT_TIMEOUT");
+  if (text == nullptr) return std::chrono::seconds(5);
   char* end = nullptr;
   const double seconds = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(seconds >= 0) || seconds > 1e9) {

@@ -233,7 +233,7 @@ struct no_progress {
 /// tcp_options::spin, else DDP_TCP_SPIN_US (whole microseconds), else 50 us.
 inline std::chrono::microseconds wanted_spin(const std::optional<std::chrono::microseconds>& option) {
   if (option) return *option;
-  if (const char* env = read_env("DDP_TCP_SPIN_US"); env != nullptr && *env != '\0') {
+  if (const char* env = read_env_nonempty("DDP_TCP_SPIN_US"); env != nullptr) {
     return std::chrono::microseconds(ddp::detail::env_int("DDP_TCP_SPIN_US", env, 0, "50"));
   }
   return std::chrono::microseconds(50);
@@ -481,7 +481,7 @@ class tcp_transport {
   /// tcp_options::listen_address, else DDP_SOCKET_ADDR; empty when neither is set.
   static std::string given_listen_address(const tcp_options& opts) {
     if (!opts.listen_address.empty()) return opts.listen_address;
-    if (const char* env = read_env("DDP_SOCKET_ADDR"); env != nullptr && *env != '\0') return env;
+    if (const char* env = read_env_nonempty("DDP_SOCKET_ADDR"); env != nullptr) return env;
     return {};
   }
 
@@ -499,7 +499,7 @@ class tcp_transport {
   std::string choose_listen_address(int ranks_on_host) {
     if (ranks_on_host != s_->size) {
       // Several hosts: listen where this host reaches the rendezvous host from.
-      if (const char* master = read_env("MASTER_ADDR"); master != nullptr && *master != '\0') {
+      if (const char* master = read_env_nonempty("MASTER_ADDR"); master != nullptr) {
         if (auto address = local_address_towards(master); !address.empty()) return address;
       }
       throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
