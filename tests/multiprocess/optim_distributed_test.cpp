@@ -12,12 +12,9 @@
 
 #include <catch2/catch.hpp>
 
-#if __has_include("ddp/process_group.hpp") && __has_include("ddp/backends/ring.hpp") && __has_include("ddp/store/file_store.hpp")
-#define DDP_TEST_OPTIM_DISTRIBUTED_HAVE_ALL 1
 #include "ddp/backends/ring.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
-#endif
 
 #include <algorithm>
 #include <chrono>
@@ -43,11 +40,6 @@ namespace ddp_test_optim_distributed {
 
 using namespace std::chrono_literals;
 
-#ifndef DDP_TEST_OPTIM_DISTRIBUTED_HAVE_ALL
-TEST_CASE("optim distributed: forked ranks over the ring backend") {
-  WARN("SKIPPED: the ring backend or file_store is not in this tree");
-}
-#else
 
 using ddp::test::check;
 using kind = ddp::ring_options::transport_kind;
@@ -461,7 +453,5 @@ TEST_CASE("optim distributed: clip_grad_norm replicated and sharded, W = 2, 3, 4
   for (kind t : {kind::shm, kind::tcp})
     for (int p : {2, 3, 4}) on_ranks(p, t, "clip", [&](int rank, group_type& group) { clip_run(rank, group); });
 }
-
-#endif
 
 }  // namespace ddp_test_optim_distributed
