@@ -84,6 +84,64 @@ struct adamw_state {
   std::vector<T> max_exp_avg_sq;
 };
 
+namespace detail {
+
+/// Throws std::invalid_argument for the options torch.optim.AdamW rejects (the host class here and
+/// the device one in ddp/optim/cuda.hpp).
+inline void validate(const adamw_options& o) {
+  auto fail = [](const std::string& what, double value) {
+    throw std::invalid_argument("ddp::optim::adamw: invalid " + what + " " + std::to_string(value));
+  };
+  if (!(o.lr >= 0.0)) fail("learning rate", o.lr);
+  if (!(o.eps >= 0.0)) fail("epsilon value", o.eps);
+  if (!(o.beta1 >= 0.0 && o.beta1 < 1.0)) fail("beta parameter at index 0:", o.beta1);
+  if (!(o.beta2 >= 0.0 && o.beta2 < 1.0)) fail("beta parameter at index 1:", o.beta2);
+  if (!(o.weight_decay >= 0.0)) fail("weight_decay value", o.weight_decay);
+}
+
+/// The scalars of step number `step` (1 for the first), computed in double and cast to T where
+/// torch casts them (see the top of this file): one place for the host loop below and the device
+/// kernel (ddp/optim/cuda.hpp), so both use the same values.
+template <std::floating_point T>
+struct adamw_coefficients {
+  T decay;             // T(1 - lr*wd), for p * decay
+  T w_coeff;           // lerp's weight w = T(1 - beta1) when |w| < 0.5, else w - 1
+  T beta2;
+  T one_minus_beta2;
+  T bc2_sqrt;          // T(sqrt(1 - beta2**step))
+  T eps;
+  T neg_step_size;     // T(-lr / (1 - beta1**step))
+  bool w_small;        // |w| < 0.5: lerp from the average, else from the gradient
+  bool use_weight_decay;
+  bool amsgrad;
+  bool maximize;
+};
+
+template <std::floating_point T>
+adamw_coefficients<T> adamw_step_coefficients(const adamw_options& o, std::int64_t step_count) noexcept {
+  const double step = static_cast<double>(step_count);
+  const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
+  const double bias_correction2 = 1.0 - std::pow(o.beta2, step);
+  const double step_size = o.lr / bias_correction1;
+  const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);  // Python's bc2**0.5
+
+  const T w = static_cast<T>(1.0 - o.beta1);
+  const bool w_small = std::abs(w) < T(0.5);
+  return {.decay = static_cast<T>(1.0 - adamw_rounded(o.lr * o.weight_decay)),
+          .w_coeff = w_small ? w : w - T(1),
+          .beta2 = static_cast<T>(o.beta2),
+          .one_minus_beta2 = static_cast<T>(1.0 - o.beta2),
+          .bc2_sqrt = static_cast<T>(bias_correction2_sqrt),
+          .eps = static_cast<T>(o.eps),
+          .neg_step_size = static_cast<T>(-step_size),
+          .w_small = w_small,
+          .use_weight_decay = o.weight_decay != 0.0,
+          .amsgrad = o.amsgrad,
+          .maximize = o.maximize};
+}
+
+}  // namespace detail
+
 template <std::floating_point T = float>
 class adamw {
  public:
@@ -91,7 +149,7 @@ class adamw {
   using state_type = adamw_state<T>;
 
   /// Throws std::invalid_argument for the options torch rejects.
-  explicit adamw(adamw_options options = {}) : options_(options) { validate(options_); }
+  explicit adamw(adamw_options options = {}) : options_(options) { detail::validate(options_); }
 
   /// One step. The spans must have equal lengths, and the same length at every step (the state is
   /// sized, zero-filled, at the first).
@@ -112,25 +170,18 @@ class adamw {
                                   " values per buffer, the parameters " + std::to_string(n));
     }
     ++state_.step;
-    const auto& o = options_;
-    const double step = static_cast<double>(state_.step);
-    const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
-    const double bias_correction2 = 1.0 - std::pow(o.beta2, step);
-    const double step_size = o.lr / bias_correction1;
-    const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);  // Python's bc2**0.5
-
-    const bool use_wd = o.weight_decay != 0.0;
-    const T decay = static_cast<T>(1.0 - detail::adamw_rounded(o.lr * o.weight_decay));
-    const T w = static_cast<T>(1.0 - o.beta1);
-    const bool w_small = std::abs(w) < T(0.5);
-    const T w_coeff = w_small ? w : w - T(1);
-    const T beta2 = static_cast<T>(o.beta2);
-    const T one_minus_beta2 = static_cast<T>(1.0 - o.beta2);
-    const T bc2_sqrt = static_cast<T>(bias_correction2_sqrt);
-    const T eps = static_cast<T>(o.eps);
-    const T neg_step_size = static_cast<T>(-step_size);
-    const bool maximize = o.maximize;
-    const bool amsgrad = o.amsgrad;
+    const auto c = detail::adamw_step_coefficients<T>(options_, state_.step);
+    const bool use_wd = c.use_weight_decay;
+    const T decay = c.decay;
+    const bool w_small = c.w_small;
+    const T w_coeff = c.w_coeff;
+    const T beta2 = c.beta2;
+    const T one_minus_beta2 = c.one_minus_beta2;
+    const T bc2_sqrt = c.bc2_sqrt;
+    const T eps = c.eps;
+    const T neg_step_size = c.neg_step_size;
+    const bool maximize = c.maximize;
+    const bool amsgrad = c.amsgrad;
 
     T* p = params.data();
     const T* gp = grads.data();
@@ -163,7 +214,7 @@ class adamw {
   void set_lr(double lr) {
     adamw_options o = options_;
     o.lr = lr;
-    validate(o);
+    detail::validate(o);
     options_ = o;
   }
 
@@ -172,17 +223,6 @@ class adamw {
   void load_state(state_type state) { state_ = std::move(state); }
 
  private:
-  static void validate(const adamw_options& o) {
-    auto fail = [](const std::string& what, double value) {
-      throw std::invalid_argument("ddp::optim::adamw: invalid " + what + " " + std::to_string(value));
-    };
-    if (!(o.lr >= 0.0)) fail("learning rate", o.lr);
-    if (!(o.eps >= 0.0)) fail("epsilon value", o.eps);
-    if (!(o.beta1 >= 0.0 && o.beta1 < 1.0)) fail("beta parameter at index 0:", o.beta1);
-    if (!(o.beta2 >= 0.0 && o.beta2 < 1.0)) fail("beta parameter at index 1:", o.beta2);
-    if (!(o.weight_decay >= 0.0)) fail("weight_decay value", o.weight_decay);
-  }
-
   adamw_options options_;
   state_type state_;
 };

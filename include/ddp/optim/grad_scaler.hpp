@@ -100,9 +100,13 @@ class grad_scaler {
         g = g * inv_t;
       }
     }
-    found_inf_ = found_inf_ || found;
+    record_found_inf(found);
     return found;
   }
+
+  /// Records an unscale's verdict made elsewhere (the device unscale of ddp/optim/cuda.hpp):
+  /// found_inf() becomes true with it and stays so until update().
+  void record_found_inf(bool found) noexcept { found_inf_ = found_inf_ || found; }
 
   /// Whether this rank's unscale() calls since the last update() saw an inf or NaN.
   bool found_inf() const noexcept { return found_inf_; }

@@ -54,6 +54,49 @@ struct sgd_state {
   std::vector<T> momentum_buffer;
 };
 
+namespace detail {
+
+/// Throws std::invalid_argument for the options torch.optim.SGD rejects (the host class here and
+/// the device one in ddp/optim/cuda.hpp).
+inline void validate(const sgd_options& o) {
+  if (!(o.lr >= 0.0)) throw std::invalid_argument("ddp::optim::sgd: invalid learning rate " + std::to_string(o.lr));
+  if (!(o.momentum >= 0.0)) throw std::invalid_argument("ddp::optim::sgd: invalid momentum " + std::to_string(o.momentum));
+  if (!(o.weight_decay >= 0.0)) {
+    throw std::invalid_argument("ddp::optim::sgd: invalid weight_decay " + std::to_string(o.weight_decay));
+  }
+  if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0)) {
+    throw std::invalid_argument("ddp::optim::sgd: nesterov momentum requires a momentum and zero dampening");
+  }
+}
+
+/// The scalars of one step, each Python float cast to T once as torch casts it: computed here for
+/// the host loop below and for the device kernel (ddp/optim/cuda.hpp), so both use the same values.
+template <std::floating_point T>
+struct sgd_coefficients {
+  T weight_decay;
+  T momentum;
+  T one_minus_dampening;
+  T neg_lr;
+  bool use_weight_decay;
+  bool use_momentum;
+  bool nesterov;
+  bool maximize;
+};
+
+template <std::floating_point T>
+sgd_coefficients<T> sgd_step_coefficients(const sgd_options& o) noexcept {
+  return {.weight_decay = static_cast<T>(o.weight_decay),
+          .momentum = static_cast<T>(o.momentum),
+          .one_minus_dampening = static_cast<T>(1.0 - o.dampening),
+          .neg_lr = static_cast<T>(-o.lr),
+          .use_weight_decay = o.weight_decay != 0.0,
+          .use_momentum = o.momentum != 0.0,
+          .nesterov = o.nesterov,
+          .maximize = o.maximize};
+}
+
+}  // namespace detail
+
 template <std::floating_point T = float>
 class sgd {
  public:
@@ -61,7 +104,7 @@ class sgd {
   using state_type = sgd_state<T>;
 
   /// Throws std::invalid_argument for the options torch rejects.
-  explicit sgd(sgd_options options = {}) : options_(options) { validate(options_); }
+  explicit sgd(sgd_options options = {}) : options_(options) { detail::validate(options_); }
 
   /// One step: params -= lr * (update from grads and the state). The spans must have equal
   /// lengths, and the same length at every step (the momentum buffer is sized at the first).
@@ -70,7 +113,8 @@ class sgd {
       throw std::invalid_argument("ddp::optim::sgd::step: " + std::to_string(params.size()) + " parameters but " +
                                   std::to_string(grads.size()) + " gradients");
     }
-    const bool use_momentum = options_.momentum != 0.0;
+    const auto c = detail::sgd_step_coefficients<T>(options_);
+    const bool use_momentum = c.use_momentum;
     const bool first = state_.momentum_buffer.empty();
     if (use_momentum && !first && state_.momentum_buffer.size() != params.size()) {
       throw std::invalid_argument("ddp::optim::sgd::step: the momentum buffer holds " +
@@ -80,13 +124,13 @@ class sgd {
     if (use_momentum && first) {
       state_.momentum_buffer.resize(params.size());
     }
-    const bool use_wd = options_.weight_decay != 0.0;
-    const T wd = static_cast<T>(options_.weight_decay);
-    const T momentum = static_cast<T>(options_.momentum);
-    const T one_minus_dampening = static_cast<T>(1.0 - options_.dampening);
-    const T neg_lr = static_cast<T>(-options_.lr);
-    const bool maximize = options_.maximize;
-    const bool nesterov = options_.nesterov;
+    const bool use_wd = c.use_weight_decay;
+    const T wd = c.weight_decay;
+    const T momentum = c.momentum;
+    const T one_minus_dampening = c.one_minus_dampening;
+    const T neg_lr = c.neg_lr;
+    const bool maximize = c.maximize;
+    const bool nesterov = c.nesterov;
     T* p = params.data();
     const T* g = grads.data();
     T* buf = state_.momentum_buffer.data();
@@ -111,7 +155,7 @@ class sgd {
   void set_lr(double lr) {
     sgd_options o = options_;
     o.lr = lr;
-    validate(o);
+    detail::validate(o);
     options_ = o;
   }
 
@@ -120,17 +164,6 @@ class sgd {
   void load_state(state_type state) { state_ = std::move(state); }
 
  private:
-  static void validate(const sgd_options& o) {
-    if (!(o.lr >= 0.0)) throw std::invalid_argument("ddp::optim::sgd: invalid learning rate " + std::to_string(o.lr));
-    if (!(o.momentum >= 0.0)) throw std::invalid_argument("ddp::optim::sgd: invalid momentum " + std::to_string(o.momentum));
-    if (!(o.weight_decay >= 0.0)) {
-      throw std::invalid_argument("ddp::optim::sgd: invalid weight_decay " + std::to_string(o.weight_decay));
-    }
-    if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0)) {
-      throw std::invalid_argument("ddp::optim::sgd: nesterov momentum requires a momentum and zero dampening");
-    }
-  }
-
   sgd_options options_;
   state_type state_;
 };
