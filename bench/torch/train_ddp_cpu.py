@@ -15,6 +15,12 @@ train_ddp's lr_schedule does, in the same double operations).
 
     torchrun --standalone --nnodes=1 --nproc-per-node=2 bench/torch/train_ddp_cpu.py --init-seed 0
     torchrun --standalone --nnodes=1 --nproc-per-node=2 bench/torch/train_ddp_cpu.py --dataset digits --init-seed 0
+
+--optimizer sgd|adamw (--momentum, --weight-decay), --clip and --zero are train_ddp's too:
+torch.optim.SGD / AdamW with foreach=False, torch.nn.utils.clip_grad_norm_ over the model's
+parameters before each step, and --zero 1 wraps the optimizer in
+torch.distributed.optim.ZeroRedundancyOptimizer (each rank steps its share of the parameters, then
+broadcasts them).
 """
 import argparse
 import csv
@@ -55,6 +61,11 @@ def parse(argv=None):
     p.add_argument("--lr-scaling", choices=["none", "linear"], default="none")
     p.add_argument("--warmup-epochs", type=int, default=None)
     p.add_argument("--base-batch", type=int, default=0)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0)
     p.add_argument("--report", default="")
     a = p.parse_args(argv)
     for key, value in DEFAULTS[a.dataset].items():
@@ -109,6 +120,23 @@ def heldout_sums(model, x, y, rank, world):
     return [float((out.argmax(1) == y[rank::world]).sum().item()), float(out.shape[0]), loss]
 
 
+def make_optimizer(a, model):
+    """--optimizer with its options (torch's defaults where not given), under
+    ZeroRedundancyOptimizer with --zero 1."""
+    kwargs = {"lr": a.lr, "foreach": False}
+    if a.optimizer == "sgd":
+        cls = torch.optim.SGD
+        kwargs["momentum"] = a.momentum
+    else:
+        cls = torch.optim.AdamW
+    if a.weight_decay is not None:
+        kwargs["weight_decay"] = a.weight_decay
+    if a.zero == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
+    return cls(model.parameters(), **kwargs)
+
+
 def main():
     a = parse()
     dist.init_process_group(backend="gloo")
@@ -121,10 +149,10 @@ def main():
     ds = TensorDataset(x, y)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=a.sampler_seed)
     loader = DataLoader(ds, batch_size=a.batch_size, sampler=sampler)
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    opt = make_optimizer(a, model)
     loss_fn = nn.CrossEntropyLoss()
     lr_at, peak_lr = lr_schedule(a, world, len(loader))
-    sums, steps, processed, step, eval_s = [], [], 0, 0, 0.0
+    sums, steps, processed, step, eval_s, clipped = [], [], 0, 0, 0.0, 0
     heldout_acc, heldout_loss = [], []
     dist.barrier()
     t0 = time.perf_counter()
@@ -138,6 +166,8 @@ def main():
             opt.zero_grad()
             loss = loss_fn(model(inputs), targets)
             loss.backward()
+            if a.clip > 0:
+                clipped += int(nn.utils.clip_grad_norm_(model.parameters(), a.clip).item() > a.clip)
             opt.step()
             total += loss.item()
             steps.append(loss.item())
@@ -176,7 +206,8 @@ def main():
             "epochs": a.epochs, "batch_size": a.batch_size, "samples": len(y), "features": a.features,
             "hidden": a.hidden, "classes": a.classes, "lr": a.lr, "dataset": a.dataset,
             "lr_scaling": a.lr_scaling, "warmup_epochs": a.warmup_epochs, "global_batch": a.batch_size * world,
-            "peak_lr": peak_lr,
+            "peak_lr": peak_lr, "optimizer": a.optimizer, "momentum": a.momentum, "clip": a.clip, "zero": a.zero,
+            "clipped_steps_rank0": clipped,
             "epoch_loss_sums_by_rank": all_sums, "step_losses_rank0": steps,
             "train_loop_seconds": loop, "throughput_samples_per_s": stats[3].item() / loop,
             "peak_rss_bytes_by_rank": [int(r.item()) for r in all_rss],

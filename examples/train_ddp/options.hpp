@@ -56,6 +56,13 @@ struct options {
   std::string init_params;  // raw little-endian float32 values in the model's flat order (the report's final_params_bits)
   int first_epoch = 1;      // the epoch (as printed) a run without a checkpoint starts with
   long max_steps = 0;       // > 0: stop after this many steps in all (the epoch in progress prints no line)
+  // The step after the gradients are averaged (optimizer.hpp). sgd with no momentum, no weight
+  // decay, no clipping and --zero 0 is the tutorial's plain SGD (the model's own update).
+  std::string optimizer = "sgd";       // sgd | adamw (torch.optim's, foreach=False)
+  double momentum = 0;                 // sgd
+  std::optional<double> weight_decay;  // none: the optimizer's torch default (sgd 0, adamw 0.01)
+  double clip = 0;                     // > 0: clip_grad_norm_ to this global norm before each step
+  int zero = 0;                        // 0: DDP; 1, 2: sharded_data_parallel (ZeRO stage 1 or 2)
 };
 
 /// --dataset digits: the values that reach >= 0.9 held-out accuracy at every world size of the
@@ -128,14 +135,35 @@ inline options parse_options(int argc, char** argv) {
                  "start with this epoch (1 = the first) when not resuming: its sampler order, its lr schedule step")
       ->check(CLI::PositiveNumber);
   app.add_option("--max-steps", o.max_steps, "stop after this many steps in all (0: no limit)")->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer", o.optimizer, "sgd or adamw (torch.optim.SGD / AdamW, foreach=False)")
+      ->check(CLI::IsMember({"sgd", "adamw"}));
+  app.add_option("--momentum", o.momentum, "SGD momentum")->check(CLI::NonNegativeNumber);
+  double weight_decay = 0;
+  auto* wd = app.add_option("--weight-decay", weight_decay, "weight decay (default: the optimizer's, sgd 0, adamw 0.01)")
+                 ->check(CLI::NonNegativeNumber);
+  app.add_option("--clip", o.clip, "clip the gradients to this global norm before each step (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--zero", o.zero,
+                 "0: DDP (every rank keeps the optimizer state); 1: ZeRO-1 (optimizer state sharded); 2: ZeRO-2 "
+                 "(gradients sharded too)")
+      ->check(CLI::Range(0, 2));
   try {
     app.parse(argc, argv);
+    if (o.momentum > 0 && o.optimizer != "sgd") throw CLI::ValidationError("--momentum", "is an sgd option");
     if (o.checkpoint_dir.empty() && (o.checkpoint_every > 0 || o.no_resume || o.allow_world_size_change))
       throw CLI::ValidationError("--checkpoint-every/--no-resume/--allow-world-size-change", "need --checkpoint-dir");
     if (o.simulate_world > 0 && (o.first_epoch != 1 || o.max_steps > 0))
       throw CLI::ValidationError("--first-epoch/--max-steps", "are not supported with --simulate-world");
     if (!o.checkpoint_dir.empty() && o.simulate_world > 0)
       throw CLI::ValidationError("--checkpoint-dir", "is not supported with --simulate-world");
+    const bool plain_sgd = o.optimizer == "sgd" && o.momentum == 0 && (wd->count() == 0 || weight_decay == 0) &&
+                           o.clip == 0 && o.zero == 0;
+    if (!plain_sgd && o.simulate_world > 0)
+      throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero", "are not supported with --simulate-world");
+    // The checkpoint holds the parameters, not yet an optimizer's state or a ZeRO shard.
+    if (!plain_sgd && !o.checkpoint_dir.empty())
+      throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero",
+                                 "are not supported with --checkpoint-dir (the checkpoint holds no optimizer state)");
     if (o.dataset == "digits") {
       // The data fixes these; a value given anyway would be silently wrong.
       for (const auto* fixed : {samples, features, classes})
@@ -151,6 +179,7 @@ inline options parse_options(int argc, char** argv) {
     std::exit(app.exit(e));
   }
   if (init->count() > 0) o.init_seed = init_seed;
+  if (wd->count() > 0) o.weight_decay = weight_decay;
   return o;
 }
 

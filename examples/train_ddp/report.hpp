@@ -57,6 +57,12 @@ struct report {
   long resumed_from_step = -1;
   int resumed_from_world_size = 0;  // the world size that saved the checkpoint resumed (0: none)
   std::vector<long> checkpoints_saved;
+  // The step (optimizer.hpp): --optimizer, its options, --clip, --zero, and the optimizer state
+  // and gradient-shard bytes each rank kept (ZeRO: its shard; DDP: the whole model).
+  std::string optimizer = "sgd";
+  double momentum = 0, weight_decay = 0, clip = 0;
+  int zero = 0;
+  std::vector<std::int64_t> optimizer_state_bytes_by_rank;
 };
 
 namespace detail {
@@ -104,6 +110,13 @@ inline std::string to_json(const report& r) {
   s += "  \"base_batch\": " + std::to_string(r.base_batch) + ",\n";
   s += "  \"global_batch\": " + std::to_string(r.global_batch) + ",\n";
   s += "  \"peak_lr\": " + num(r.peak_lr) + ",\n";
+  s += "  \"optimizer\": " + quoted(r.optimizer) + ",\n";
+  s += "  \"momentum\": " + num(r.momentum) + ",\n";
+  s += "  \"weight_decay\": " + num(r.weight_decay) + ",\n";
+  s += "  \"clip\": " + num(r.clip) + ",\n";
+  s += "  \"zero\": " + std::to_string(r.zero) + ",\n";
+  if (!r.optimizer_state_bytes_by_rank.empty())
+    s += "  \"optimizer_state_bytes_by_rank\": " + list(r.optimizer_state_bytes_by_rank, i64) + ",\n";
   s += "  \"printed_lines\": " + list(r.printed_lines, quoted) + ",\n";
   s += "  \"epoch_loss_sums_by_rank\": " +
        list(r.epoch_loss_sums_by_rank, [&](const std::vector<double>& v) { return list(v, d); }) + ",\n";

@@ -8,6 +8,7 @@
 //   train_ddp --simulate-world 2                two replicas in one process (no communication)
 //   train_ddp --dataset digits                  real data (examples/data/digits.csv), held-out accuracy
 //   train_ddp --checkpoint-dir ckpt --checkpoint-every 10   save, resume, preemption (README: Checkpoints)
+//   train_ddp --optimizer adamw --clip 1 --zero 2           AdamW, clipping, ZeRO-2 (README: Optimizers)
 //
 // Rank 0 prints `Epoch N: Rank 0 local loss sum = X.XXXX` after each epoch, as the tutorial does;
 // with --dataset digits also `Epoch N: held-out accuracy A.AAAA loss L.LLLL`.
@@ -35,6 +36,7 @@
 #include "ddp/random.hpp"
 #include "ddp/sampler.hpp"
 #include "mlp.hpp"
+#include "optimizer.hpp"
 #include "options.hpp"
 #include "report.hpp"
 #include "scaling.hpp"
@@ -239,6 +241,11 @@ inline report base_report(const options& o, const char* gemm_name, const job_dat
   r.warmup_epochs = o.warmup_epochs;
   r.base_batch = base_batch(o);
   r.global_batch = o.batch_size * world;
+  r.optimizer = o.optimizer;
+  r.momentum = o.momentum;
+  r.weight_decay = o.weight_decay.value_or(o.optimizer == "adamw" ? ddp::optim::adamw_options{}.weight_decay : 0.0);
+  r.clip = o.clip;
+  r.zero = o.zero;
   return r;
 }
 
@@ -408,7 +415,25 @@ int run_distributed(const options& o, Gemm gemm) {
     params.values = {model.value_data(), model.numel()};
     params.grads = {model.grad_data(), model.numel()};
   }
-  ddp::distributed_data_parallel net{params, group};  // checks shapes on every rank, broadcasts rank 0
+  // --zero 0: DDP, then the step on every rank; --zero 1, 2: the sharded wrapper steps this rank's
+  // shard (the optimizer and the sharded clip inside amp_shard_optimizer, its scaler off) and
+  // all-gathers the parameters. Either construction checks shapes on every rank and broadcasts rank 0.
+  const bool plain = plain_sgd(o);
+  if (!plain && params.memory != ddp::memory_space::host)
+    throw ddp::error(ddp::errc::config, "--optimizer/--momentum/--weight-decay/--clip/--zero step host parameters: with "
+                                        "--backend " + o.backend + " the CUDA build keeps them in device memory "
+                                        "(use --backend ring, which steps host mirrors)");
+  chosen_optimizer optimizer{o};
+  ddp::optim::grad_scaler no_loss_scaling{{.enabled = false}};
+  ddp::optim::amp_shard_optimizer shard_step{optimizer, group, no_loss_scaling, {.max_norm = o.clip}};
+  std::optional<ddp::distributed_data_parallel<flat_params, ddp::group>> replicated;
+  std::optional<ddp::sharded_data_parallel<flat_params, ddp::group, decltype(shard_step)>> sharded;
+  if (o.zero == 0) {
+    replicated.emplace(params, group);
+  } else {
+    sharded.emplace(params, group, shard_step, ddp::sharded_options{.stage = o.zero});
+  }
+  const auto mark_ready = [&](std::size_t i) { replicated ? replicated->mark_ready(i) : sharded->mark_ready(i); };
   if (host_mirrors) model.set_values(host_values);
 
   ddp::distributed_sampler sampler{data.n, world, rank, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed}};
@@ -548,15 +573,32 @@ int run_distributed(const options& o, Gemm gemm) {
         loss = model.forward_backward(data, batch);
         backward_done = clock::now();
         thrust::copy(model.grads().begin(), model.grads().end(), host_grads.begin());
-        net.synchronize();
-        thrust::copy(host_grads.begin(), host_grads.end(), model.grads().begin());
+        if (replicated) {
+          replicated->synchronize();
+        } else {
+          for (std::size_t i = 0; i < model.slots().size(); ++i) sharded->mark_ready(i);
+          sharded->finish();
+        }
+        if (plain) thrust::copy(host_grads.begin(), host_grads.end(), model.grads().begin());
       } else {
-        loss = model.forward_backward(data, batch, [&](int i) { net.mark_ready(std::size_t(i)); });
+        loss = model.forward_backward(data, batch, [&](int i) { mark_ready(std::size_t(i)); });
         backward_done = clock::now();
-        net.finish();  // wait for the bucket all-reduces: gradients are now the mean over ranks
+        // Waits for the bucket reductions: the gradients (ZeRO: this rank's shard) are the mean over ranks.
+        replicated ? replicated->finish() : sharded->finish();
       }
       const auto synchronized = clock::now();
-      model.sgd_step(lr.at(step++));
+      const double step_lr = lr.at(step++);
+      if (plain) {
+        model.sgd_step(step_lr);
+      } else {
+        optimizer.set_lr(step_lr);
+        if (sharded) {
+          sharded->step();  // the shard's clip and step, then the parameters are complete again
+        } else {
+          step_replicated(optimizer, o.clip, model.slots(), params.values, params.grads);
+        }
+        if (host_mirrors) model.set_values(host_values);
+      }
       rep.compute_seconds += seconds(backward_done - step_start) + seconds(clock::now() - synchronized);
       rep.exposed_communication_seconds += seconds(synchronized - backward_done);
       ++rep.steps;
@@ -611,8 +653,8 @@ int run_distributed(const options& o, Gemm gemm) {
 
   std::vector<double> all_totals(totals.size() * std::size_t(world));
   group.all_gather(std::span<const double>(totals), std::span<double>(all_totals));
-  const std::vector<std::int64_t> mine{peak_rss_bytes(), probe.peak};
-  std::vector<std::int64_t> memory(2 * std::size_t(world));
+  const std::vector<std::int64_t> mine{peak_rss_bytes(), probe.peak, std::int64_t(optimizer.state_bytes())};
+  std::vector<std::int64_t> memory(3 * std::size_t(world));
   group.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(memory));
 
   if (rank == 0 && !o.report.empty()) {
@@ -623,8 +665,9 @@ int run_distributed(const options& o, Gemm gemm) {
     for (int r = 0; r < world; ++r) {
       rep.epoch_loss_sums_by_rank.emplace_back(all_totals.begin() + std::ptrdiff_t(r * totals.size()),
                                                all_totals.begin() + std::ptrdiff_t((r + 1) * totals.size()));
-      rep.peak_rss_bytes_by_rank.push_back(memory[2 * std::size_t(r)]);
-      rep.peak_device_memory_bytes = std::max(rep.peak_device_memory_bytes, memory[2 * std::size_t(r) + 1]);
+      rep.peak_rss_bytes_by_rank.push_back(memory[3 * std::size_t(r)]);
+      rep.peak_device_memory_bytes = std::max(rep.peak_device_memory_bytes, memory[3 * std::size_t(r) + 1]);
+      if (!plain) rep.optimizer_state_bytes_by_rank.push_back(memory[3 * std::size_t(r) + 2]);
     }
     rep.final_params = model.host_values();
     write_report(o.report, rep);

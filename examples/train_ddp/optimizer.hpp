@@ -1,0 +1,78 @@
+#pragma once
+// train_ddp's --optimizer, --momentum, --weight-decay and --clip: the step that follows the
+// gradient average, with ddp::optim's optimizers (torch.optim.SGD / AdamW with foreach=False, and
+// torch.nn.utils.clip_grad_norm_), over the model's flat float32 parameters on the host.
+//
+// --zero 0 steps the full parameters on every rank after distributed_data_parallel's finish();
+// --zero 1 and 2 hand this optimizer to sharded_data_parallel, which steps each rank's shard. The
+// clip is then the sharded one (one all-reduce of the shard's squared norm), as torch's would be
+// over the same gradients, within the bounds stated in ddp/optim/distributed.hpp.
+
+#include <cstdint>
+#include <span>
+#include <variant>
+#include <vector>
+
+#include "ddp/optim.hpp"
+#include "options.hpp"
+
+namespace train {
+
+/// Whether the run uses the tutorial's plain SGD step (the model's own update kernel).
+inline bool plain_sgd(const options& o) {
+  return o.optimizer == "sgd" && o.momentum == 0 && o.weight_decay.value_or(0) == 0 && o.clip == 0 && o.zero == 0;
+}
+
+/// SGD or AdamW by --optimizer, stepped with the lr of each step (set_lr).
+class chosen_optimizer {
+ public:
+  using value_type = float;
+
+  explicit chosen_optimizer(const options& o) : optimizer_(make(o)) {}
+
+  void set_lr(double lr) {
+    std::visit([&](auto& opt) { opt.set_lr(lr); }, optimizer_);
+  }
+  void step(std::span<float> params, std::span<const float> grads) {
+    std::visit([&](auto& opt) { opt.step(params, grads); }, optimizer_);
+  }
+  /// The bytes of state this rank keeps (sharded_stats counts them; the report prints them).
+  std::uint64_t state_bytes() const {
+    return std::visit(
+        [](const auto& opt) -> std::uint64_t {
+          const auto& s = opt.state();
+          std::uint64_t n = 0;
+          if constexpr (requires { s.momentum_buffer; }) n += s.momentum_buffer.size();
+          if constexpr (requires { s.exp_avg; }) n += s.exp_avg.size() + s.exp_avg_sq.size() + s.max_exp_avg_sq.size();
+          return n * sizeof(float);
+        },
+        optimizer_);
+  }
+
+ private:
+  using variant = std::variant<ddp::optim::sgd<float>, ddp::optim::adamw<float>>;
+  static variant make(const options& o) {
+    if (o.optimizer == "adamw") {
+      ddp::optim::adamw_options a{.lr = o.lr};
+      if (o.weight_decay) a.weight_decay = *o.weight_decay;
+      return ddp::optim::adamw<float>{a};
+    }
+    return ddp::optim::sgd<float>{{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay.value_or(0)}};
+  }
+  variant optimizer_;
+};
+
+/// The full-parameter step of --zero 0 (every rank holds the same averaged gradients): clip with
+/// torch's algorithm over the model's tensors (one span each, as torch's norm of norms needs), no
+/// communication, then the optimizer.
+template <class Slots>
+void step_replicated(chosen_optimizer& opt, double clip, const Slots& slots, std::span<float> values, std::span<float> grads) {
+  if (clip > 0) {
+    std::vector<std::span<float>> tensors;
+    for (const auto& s : slots) tensors.push_back(grads.subspan(s.offset, s.numel));
+    ddp::optim::clip_grad_norm(tensors, clip);
+  }
+  opt.step(values, grads);
+}
+
+}  // namespace train
