@@ -13,7 +13,9 @@
 # 2. ctest -L "gpu|nccl": NCCL collectives of every dtype and reduction against host references,
 #    host operands, compute-stream ordering, mismatch and deadline (these two need 2 GPUs), DDP on
 #    thrust::device_vector, checkpoints of device memory (saved, loaded into device and host
-#    memory, bit for bit), the host-side logic, the benchmark's checked short sweep;
+#    memory, bit for bit), the optimizers on device memory (SGD and AdamW stepped on device and on
+#    host, parameters and state bit for bit; unscale and clipping), the host-side logic, the
+#    benchmark's checked short sweep;
 # 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
 #    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2);
 # 4. ddp_bench_nccl: the all-reduce busbw sweep through ddp next to ncclAllReduce called directly
@@ -102,7 +104,7 @@ fi
 build_targets() {  # one make per target, side by side (a make given several targets runs them in turn)
   cmake --build "$build" --target ddp_catch_main || return 1
   local pids=() target status=0
-  for target in nccl_host_logic_test nccl_backend_test ddp_device_test checkpoint_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
+  for target in nccl_host_logic_test nccl_backend_test ddp_device_test checkpoint_device_test optim_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
     cmake --build "$build" -j "$jobs" --target "$target" &
     pids+=($!)
   done
