@@ -7,6 +7,10 @@
 //   grad_scaler.hpp  torch.amp.GradScaler (the caller agrees found_inf across ranks)
 //   clip.hpp         torch.nn.utils.clip_grad_norm_, and its distributed form
 //   distributed.hpp  the collectives: found_inf agreed across ranks, the sharded global norm
+//
+// ddp/optim/cuda.hpp (CUDA builds, compiled by nvcc) has the same optimizers, unscale and clipping
+// on spans of device memory, bit for bit with these host classes; it is not included here, so
+// that host programs need no CUDA toolkit.
 
 #include "ddp/optim/adamw.hpp"
 #include "ddp/optim/clip.hpp"
