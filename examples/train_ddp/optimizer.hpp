@@ -1,7 +1,10 @@
 #pragma once
 // train_ddp's --optimizer, --momentum, --weight-decay and --clip: the step that follows the
 // gradient average, with ddp::optim's optimizers (torch.optim.SGD / AdamW with foreach=False, and
-// torch.nn.utils.clip_grad_norm_), over the model's flat float32 parameters on the host.
+// torch.nn.utils.clip_grad_norm_), over the model's flat float32 parameters: on the host, or in
+// the CUDA build with a device-memory backend (nccl) on the device (ddp/optim/cuda.hpp: the same
+// bits as the host optimizers; the clip's norm there is one device reduction over all gradients,
+// not torch's norm of per-tensor norms, so it may differ from torch's in the last bits).
 //
 // --zero 0 steps the full parameters on every rank after distributed_data_parallel's finish();
 // --zero 1 and 2 hand this optimizer to sharded_data_parallel, which steps each rank's shard. The
@@ -16,6 +19,12 @@
 #include "ddp/optim.hpp"
 #include "options.hpp"
 
+#if defined(__CUDACC__)
+#include <cmath>
+
+#include "ddp/optim/cuda.hpp"
+#endif
+
 namespace train {
 
 /// Whether the run uses the tutorial's plain SGD step (the model's own update kernel).
@@ -23,12 +32,14 @@ inline bool plain_sgd(const options& o) {
   return o.optimizer == "sgd" && o.momentum == 0 && o.weight_decay.value_or(0) == 0 && o.clip == 0 && o.zero == 0;
 }
 
-/// SGD or AdamW by --optimizer, stepped with the lr of each step (set_lr).
-class chosen_optimizer {
+/// SGD or AdamW by --optimizer (host or device classes of the same interface), stepped with the
+/// lr of each step (set_lr).
+template <class Sgd, class AdamW>
+class optimizer_choice {
  public:
   using value_type = float;
 
-  explicit chosen_optimizer(const options& o) : optimizer_(make(o)) {}
+  explicit optimizer_choice(const options& o) : optimizer_(make(o)) {}
 
   void set_lr(double lr) {
     std::visit([&](auto& opt) { opt.set_lr(lr); }, optimizer_);
@@ -50,17 +61,20 @@ class chosen_optimizer {
   }
 
  private:
-  using variant = std::variant<ddp::optim::sgd<float>, ddp::optim::adamw<float>>;
+  using variant = std::variant<Sgd, AdamW>;
   static variant make(const options& o) {
     if (o.optimizer == "adamw") {
       ddp::optim::adamw_options a{.lr = o.lr};
       if (o.weight_decay) a.weight_decay = *o.weight_decay;
-      return ddp::optim::adamw<float>{a};
+      return variant(std::in_place_type<AdamW>, a);
     }
-    return ddp::optim::sgd<float>{{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay.value_or(0)}};
+    return variant(std::in_place_type<Sgd>,
+                   ddp::optim::sgd_options{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay.value_or(0)});
   }
   variant optimizer_;
 };
+
+using chosen_optimizer = optimizer_choice<ddp::optim::sgd<float>, ddp::optim::adamw<float>>;
 
 /// The full-parameter step of --zero 0 (every rank holds the same averaged gradients): clip with
 /// torch's algorithm over the model's tensors (one span each, as torch's norm of norms needs), no
@@ -74,5 +88,18 @@ void step_replicated(chosen_optimizer& opt, double clip, const Slots& slots, std
   }
   opt.step(values, grads);
 }
+
+#if defined(__CUDACC__)
+using chosen_device_optimizer = optimizer_choice<ddp::optim::cuda::sgd<float>, ddp::optim::cuda::adamw<float>>;
+
+/// step_replicated on device memory (CUDA build, nccl): the clip's norm is one device reduction.
+inline void step_replicated_on_device(chosen_device_optimizer& opt, double clip, std::span<float> values, std::span<float> grads) {
+  if (clip > 0) {
+    const auto total = static_cast<float>(std::sqrt(ddp::optim::cuda::total_norm_squared(std::span<const float>(grads))));
+    ddp::optim::cuda::clip_grads_with_norm(std::vector<std::span<float>>{grads}, clip, total);
+  }
+  opt.step(values, grads);
+}
+#endif
 
 }  // namespace train

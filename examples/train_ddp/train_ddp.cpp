@@ -419,11 +419,16 @@ int run_distributed(const options& o, Gemm gemm) {
   // shard (the optimizer and the sharded clip inside amp_shard_optimizer, its scaler off) and
   // all-gathers the parameters. Either construction checks shapes on every rank and broadcasts rank 0.
   const bool plain = plain_sgd(o);
-  if (!plain && params.memory != ddp::memory_space::host)
-    throw ddp::error(ddp::errc::config, "--optimizer/--momentum/--weight-decay/--clip/--zero step host parameters: with "
-                                        "--backend " + o.backend + " the CUDA build keeps them in device memory "
-                                        "(use --backend ring, which steps host mirrors)");
+  const bool on_device = params.memory != ddp::memory_space::host;
+  if (o.zero > 0 && on_device)
+    throw ddp::error(ddp::errc::config, "--zero " + std::to_string(o.zero) + ": sharded_data_parallel steps shards in host "
+                                        "memory, and with --backend " + o.backend + " the CUDA build keeps the parameters "
+                                        "in device memory (use --backend ring, which steps host mirrors)");
   chosen_optimizer optimizer{o};
+#if defined(__CUDACC__)
+  std::optional<chosen_device_optimizer> device_optimizer;
+  if (!plain && on_device) device_optimizer.emplace(o);
+#endif
   ddp::optim::grad_scaler no_loss_scaling{{.enabled = false}};
   ddp::optim::amp_shard_optimizer shard_step{optimizer, group, no_loss_scaling, {.max_norm = o.clip}};
   std::optional<ddp::distributed_data_parallel<flat_params, ddp::group>> replicated;
@@ -594,8 +599,13 @@ int run_distributed(const options& o, Gemm gemm) {
         optimizer.set_lr(step_lr);
         if (sharded) {
           sharded->step();  // the shard's clip and step, then the parameters are complete again
-        } else {
+        } else if (!on_device) {
           step_replicated(optimizer, o.clip, model.slots(), params.values, params.grads);
+        } else {
+#if defined(__CUDACC__)
+          device_optimizer->set_lr(step_lr);
+          step_replicated_on_device(*device_optimizer, o.clip, params.values, params.grads);
+#endif
         }
         if (host_mirrors) model.set_values(host_values);
       }
@@ -653,7 +663,11 @@ int run_distributed(const options& o, Gemm gemm) {
 
   std::vector<double> all_totals(totals.size() * std::size_t(world));
   group.all_gather(std::span<const double>(totals), std::span<double>(all_totals));
-  const std::vector<std::int64_t> mine{peak_rss_bytes(), probe.peak, std::int64_t(optimizer.state_bytes())};
+  std::uint64_t state_bytes = optimizer.state_bytes();
+#if defined(__CUDACC__)
+  if (device_optimizer) state_bytes = device_optimizer->state_bytes();
+#endif
+  const std::vector<std::int64_t> mine{peak_rss_bytes(), probe.peak, std::int64_t(state_bytes)};
   std::vector<std::int64_t> memory(3 * std::size_t(world));
   group.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(memory));
 

@@ -17,7 +17,9 @@
 #    host, parameters and state bit for bit; unscale and clipping), the host-side logic, the
 #    benchmark's checked short sweep;
 # 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
-#    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2);
+#    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2); the same with
+#    --optimizer adamw --clip (ddp/optim/cuda.hpp on device memory) and with --zero 1 over the
+#    ring backend (host mirrors);
 # 4. ddp_bench_nccl: the all-reduce busbw sweep through ddp next to ncclAllReduce called directly
 #    (the ratio is the wrapper's cost; goal >= 0.95 from 64 KiB), in place (as DDP calls it) and
 #    out of place (with one GPU NCCL's in-place all-reduce moves nothing, so only the
@@ -138,8 +140,16 @@ train_check() {  # train_check LABEL EXTRA_ARGS...
   compare_lines "$out/train_cpu_$label.txt" "$out/train_cuda_cublas_$label.txt" || return 1
   grep -o '"peak_device_memory_bytes": *[0-9-]*' "$out/train_cuda_exact_$label.json" || true
 }
+zero_check() {  # ZeRO-1 in the CUDA build: host mirrors over the ring backend, AdamW on the host shard
+  "$cpu" --init-seed 0 --optimizer adamw --zero 1 --backend ring > "$out/train_cpu_zero1.txt" || return 1
+  "$cuda" --init-seed 0 --optimizer adamw --zero 1 --backend ring --gemm exact > "$out/train_cuda_zero1.txt" || return 1
+  compare_lines "$out/train_cpu_zero1.txt" "$out/train_cuda_zero1.txt"
+}
 if [ "$gpus" -ge 1 ]; then
   step "train_ddp_cuda vs cpu, 1 rank" train_check w1
+  # ddp/optim/cuda.hpp on the parameters in device memory (nccl), clipped on the device.
+  step "train_ddp_cuda --optimizer adamw --clip vs cpu, 1 rank" train_check w1_adamw_clip --optimizer adamw --clip 0.05
+  step "train_ddp_cuda --optimizer adamw --zero 1 --backend ring vs cpu, 1 rank" zero_check
   if [ "$gpus" -ge 2 ]; then
     step "train_ddp_cuda vs cpu, 2 ranks" train_check w2 --nproc-per-node 2
   fi

@@ -540,3 +540,16 @@ TEST_CASE("train_ddp rejects --optimizer options where they are not supported, w
     CHECK((text.find("not supported") != std::string::npos || text.find("is an sgd option") != std::string::npos));
   }
 }
+
+TEST_CASE("train_ddp --optimizer adamw --zero 1 and 2 at world size 1 equal --zero 0 bit for bit") {
+  require_binary();
+  std::optional<json> zero0;
+  for (const char* zero : {"0", "1", "2"}) {
+    INFO("--zero " << zero);
+    const auto run = run_train({"--init-seed", "0", "--optimizer", "adamw", "--zero", zero}, std::string("zero_w1_") + zero);
+    CHECK(run.report["world_size"].get<int>() == 1);
+    if (!zero0) zero0 = run.report["final_params_bits"];
+    CHECK(run.report["final_params_bits"] == *zero0);
+    CHECK(run.report["step_losses_rank0"].size() == 96);
+  }
+}
