@@ -15,17 +15,6 @@
 
 #include <catch2/catch.hpp>
 
-#if __has_include("ddp/process_group.hpp") && __has_include("ddp/backends/ring.hpp") && __has_include("ddp/store/file_store.hpp")
-#define DDP_TEST_HAVE_RING 1
-#include "ddp/backends/ring.hpp"
-#include "ddp/process_group.hpp"
-#include "ddp/store/file_store.hpp"
-#endif
-#if defined(DDP_TEST_HAVE_RING) && __has_include("ddp/group.hpp")
-#define DDP_TEST_HAVE_GROUP 1
-#include "ddp/group.hpp"
-#endif
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -34,9 +23,13 @@
 #include <string>
 #include <vector>
 
+#include "ddp/backends/ring.hpp"
 #include "ddp/compression.hpp"
 #include "ddp/data_parallel.hpp"
+#include "ddp/group.hpp"
 #include "ddp/parameters.hpp"
+#include "ddp/process_group.hpp"
+#include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
@@ -44,12 +37,6 @@
 namespace ddp_test_data_parallel_mp {
 
 using namespace std::chrono_literals;
-
-#ifndef DDP_TEST_HAVE_RING
-TEST_CASE("data_parallel_mp: forked ranks over the ring backend") {
-  WARN("SKIPPED: ddp/process_group.hpp, ddp/backends/ring.hpp or ddp/store/file_store.hpp is not in this tree");
-}
-#else
 
 using ddp::test::check;
 using kind = ddp::ring_options::transport_kind;
@@ -224,16 +211,12 @@ void train_and_compare(const run_config& c, const std::string& name) {
       [&](int rank) {
         auto concrete = make_group(sf.path, rank, c.p, c.transport);
         check(c.p == 1 || concrete.backend().on_shared_memory() == (c.transport == kind::shm), "transport chosen as asked");
-#ifdef DDP_TEST_HAVE_GROUP
         if (c.type_erased) {
           ddp::group erased(std::move(concrete));
           train_rank(c, rank, global, erased);
         } else {
           train_rank(c, rank, global, concrete);
         }
-#else
-        train_rank(c, rank, global, concrete);
-#endif
         leave_together(sf.path, rank, c.p);
       },
       120s);
@@ -285,12 +268,8 @@ TEST_CASE("data_parallel_mp: equals the single-process run over tcp, p = 3") {
 }
 TEST_CASE("data_parallel_mp: flat gradients reduced in place, p = 3") { train_and_compare({.p = 3, .flat = true}, "flat3"); }
 TEST_CASE("data_parallel_mp: through the type-erased ddp::group, p = 3") {
-#ifndef DDP_TEST_HAVE_GROUP
-  WARN("SKIPPED: ddp/group.hpp is not in this tree");
-#else
   static_assert(ddp::collective_group<ddp::group>);
   train_and_compare({.p = 3, .type_erased = true}, "erased");
-#endif
 }
 TEST_CASE("data_parallel_mp: overlap off, p = 2") {
   train_and_compare({.p = 2, .options = {.overlap = false}}, "nooverlap");
@@ -404,7 +383,5 @@ TEST_CASE("data_parallel_mp: a killed peer is noticed by finish() on the survivo
   CHECK(result.ranks[1].ok());
   CHECK(std::chrono::steady_clock::now() - start < 45s);
 }
-
-#endif
 
 }  // namespace ddp_test_data_parallel_mp
