@@ -102,6 +102,17 @@
 
 namespace ddp {
 
+namespace detail {
+/// The store token of a job (see "Tokens" above): the option, else DDP_STORE_TOKEN, else a fresh
+/// random one on a single node; empty on several nodes without one (the store then accepts any
+/// client, and spawn() warns).
+inline std::string job_store_token(const launch_options& options) {
+  if (!options.store_token.empty()) return options.store_token;
+  if (const char* t = read_env_nonempty("DDP_STORE_TOKEN"); t != nullptr) return t;
+  return options.nnodes == 1 ? random_hex(16) : std::string();
+}
+}  // namespace detail
+
 /// Starts this node's workers running argv and supervises them until every one has ended.
 /// See the top of this header for the variables, signals and exit code.
 launch_result spawn(const launch_options& options, const std::vector<std::string>& argv);
@@ -122,14 +133,10 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
   const int world = nproc * options.nnodes;
   result.master_addr = options.standalone || options.master_addr.empty() ? "127.0.0.1" : options.master_addr;
   const bool any_port = options.standalone || options.master_port == 0;
-  std::string token = options.store_token;
+  const std::string token = detail::job_store_token(options);
   if (token.empty()) {
-    if (const char* t = read_env_nonempty("DDP_STORE_TOKEN"); t != nullptr) token = t;
-    else if (options.nnodes == 1) token = detail::random_hex(16);
-    else {
-      detail::log_line(options, "warning: DDP_STORE_TOKEN is not set, so the store accepts any client; "
-                                "export the same DDP_STORE_TOKEN on every node");
-    }
+    detail::log_line(options, "warning: DDP_STORE_TOKEN is not set, so the store accepts any client; "
+                              "export the same DDP_STORE_TOKEN on every node");
   }
 
   const std::string job_id = options.job_id.empty() ? detail::launcher_job_id(options.nnodes) : options.job_id;
@@ -379,10 +386,7 @@ DDP_COMPILED_INLINE launch_result launch(const launch_options& options, const st
   validate(o);
   detail::check_not_one_of_many(o);
   if (o.job_id.empty()) o.job_id = detail::launcher_job_id(o.nnodes);
-  if (o.store_token.empty()) {
-    if (const char* t = read_env_nonempty("DDP_STORE_TOKEN"); t != nullptr) o.store_token = t;
-    else if (o.nnodes == 1) o.store_token = detail::random_hex(16);
-  }
+  o.store_token = detail::job_store_token(o);  // one token for every restart
   for (int attempt = 0;; ++attempt) {
     o.restart_count = attempt;
     launch_result result = spawn(o, argv);
