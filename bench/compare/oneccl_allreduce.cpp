@@ -53,6 +53,12 @@ int run_rank(int rank, int size, const std::filesystem::path& file, const ddp::b
     kvs = ccl::create_kvs(read_address(file));
   }
   auto comm = ccl::create_communicator(size, rank, kvs);
+  std::vector<float> probe(4, static_cast<float>(rank + 1));  // the settings in use must sum right
+  ccl::allreduce(probe.data(), probe.data(), probe.size(), ccl::reduction::sum, comm).wait();
+  if (probe[0] != static_cast<float>(size * (size + 1) / 2)) {
+    std::fprintf(stderr, "rank %d: check failed: %g\n", rank, probe[0]);
+    return 1;
+  }
   const auto sizes = ddp::bench::sizes(options);
   std::vector<float> in(sizes.back() / 4, 1.0f), out(sizes.back() / 4, 0.0f);  // pre-touched
   std::vector<double> timing(1);
