@@ -16,10 +16,20 @@
 // Layout (ddp/data_parallel/shard_layout.hpp): assign_buckets' buckets, each laid out by
 // ascending parameter index and padded with zeros to a multiple of the world size W, so that each
 // rank owns an equal contiguous shard of every bucket. A rank keeps only its shards of the
-// parameters (the master copy the optimizer steps, in the parameters' dtype for now), of the
-// gradients and, through the optimizer, of its state: one flat buffer each, so the optimizer runs
-// once per step over ~N/W elements. Padding is zero gradient on a zero parameter and is never
-// copied out, so no divisibility rule reaches the caller.
+// parameters (the master copy the optimizer steps, in the optimizer's value_type T), of the
+// gradients (in T) and, through the optimizer, of its state: one flat buffer each, so the
+// optimizer runs once per step over ~N/W elements. Padding is zero gradient on a zero parameter
+// and is never copied out, so no divisibility rule reaches the caller.
+//
+// Mixed precision (DeepSpeed's fp32 master partitions): the parameters may be float16 or
+// bfloat16 under an optimizer of float. The master shard is then float32, widened from the
+// model's values at construction (after the broadcast); the optimizer steps it in float32 and
+// step() rounds it to the parameters' dtype (to nearest even) before the all-gather, which moves
+// the parameters' dtype. The gradients travel in options.reduce_dtype: by default the
+// parameters' dtype (each reduce-scatter's result is widened into the float32 shard gradient),
+// or float32 (each bucket of the model's gradients is widened into a float32 bucket buffer and
+// reduced in float32, so the shard gradient is never rounded to the low dtype). All parameters
+// share one dtype.
 //
 // Stage 1: the model's gradients stay full size (no_sync accumulates in them, as with
 //   distributed_data_parallel). When a bucket's last gradient is marked ready (buckets start in
@@ -37,6 +47,12 @@
 //   stage 2:  (sum_m (sum_r g_rm)) / W / k     the sums as the group adds them; the accumulator in
 //                                              micro-step order; each "/" one rounded division in T,
 //                                              "/ k" only when k > 1
+// With a float16 / bfloat16 reduce_dtype the mean over ranks is rounded to it once (the group
+// adds half-precision data in float32), and stage 2 reduce-scatters with avg instead of sum (the
+// sum of W float16 gradients overflows where their mean need not):
+//   stage 1:  low((sum_r (sum_m g_rm)) / W) / k      (the model accumulates sum_m in its dtype)
+//   stage 2:  (sum_m low((sum_r g_rm) / W)) / k      the accumulator in float32
+// so with k = 1 both stages see the same low(sum_r g_r / W), widened.
 // i.e. the mean over ranks and micro-steps: distributed_data_parallel + no_sync over k - 1
 // micro-steps + a synchronized one, then dividing the gradients by k. Where every summation order
 // gives the same floats (e.g. on the shared-memory transport, or exactly summable values), the
@@ -49,13 +65,19 @@
 // Memory per rank (stats()): optimizer state and master parameters over the shard (sum over
 // buckets of ceil(n_b / W), at most N/W + #buckets), shard gradients (the same), and
 // options.bucket_buffers communication buffers of the largest padded bucket (plus one shard each
-// in stage 2, where the reduce-scatter lands before it is added). The model's own gradients
-// belong to the model: full size, as the backward pass writes them.
+// in stage 2, where the reduce-scatter lands before it is added, and wherever a shard is
+// converted: a low reduce_dtype's result, the rounded parameters before the all-gather). The
+// model's own gradients belong to the model: full size, as the backward pass writes them.
+// With bf16 / fp16 parameters and AdamW, in bytes per rank for N parameters: the model's 2N
+// values and 2N gradients, then a float32 master 4N/W, shard gradient 4N/W and moments 8N/W,
+// i.e. 4N + 16N/W; DDP with an fp32 master copy (ddp/optim/master_weights.hpp) holds
+// 4N + 4N + 4N + 8N = 20N.
 //
 // Construction checks the parameters across ranks and broadcasts rank 0's values with
 // distributed_data_parallel's own construction (same checks, same messages). Host memory, and
-// every parameter of the optimizer's value_type; mark_ready may be called from any thread (calls
-// are serialized); finish(), step() and no_sync() belong to the training loop.
+// every parameter of the optimizer's value_type (or all float16 / all bfloat16 under a float
+// optimizer); mark_ready may be called from any thread (calls are serialized); finish(), step()
+// and no_sync() belong to the training loop.
 //
 // Over 400 lines on purpose: one class template whose private members share its buffers, step
 // state and mutex, as distributed_data_parallel's; the pure layout is apart (shard_layout.hpp).
@@ -67,6 +89,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -99,6 +122,9 @@ struct sharded_options {
   bool broadcast_parameters = true;
   /// Parameters not marked ready by finish() count as zero gradient instead of being an error.
   bool find_unused_parameters = false;
+  /// The dtype gradients are reduce-scattered in: unset, the parameters'; with float16 / bfloat16
+  /// parameters under a float optimizer, dtype::float32 reduces in float32 (twice the bytes).
+  std::optional<dtype> reduce_dtype;
 };
 
 /// What one rank holds and has done; bytes are this rank's.
@@ -208,25 +234,11 @@ class sharded_data_parallel {
       throw error(errc::invalid_argument, "bucket_cap_bytes and first_bucket_bytes must be positive", context());
     }
     check_and_broadcast();
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i].memory != memory_space::host) {
-        throw error(errc::unavailable,
-                    describe_parameter(i, params_[i].name) + " is in " + std::string(to_string(params_[i].memory)) +
-                        " memory: sharded_data_parallel copies and steps shards on the host for now",
-                    context());
-      }
-      if (params_[i].type != dtype_of<T>) {
-        throw error(errc::invalid_argument,
-                    describe_parameter(i, params_[i].name) + " is " + std::string(to_string(params_[i].type)) +
-                        " but the optimizer steps " + std::string(to_string(dtype_of<T>)) +
-                        ": every parameter must be of the optimizer's value_type",
-                    context());
-      }
-    }
+    check_dtypes();
     world_ = static_cast<int>(group_->size());
     rank_ = static_cast<int>(group_->rank());
     layout_ = make_shard_layout(params_, world_, options_.first_bucket_bytes, options_.bucket_cap_bytes);
-    const auto it = layout_.shard_numel.find(dtype_of<T>);
+    const auto it = layout_.shard_numel.find(param_type_);
     const std::size_t shard = it == layout_.shard_numel.end() ? 0 : it->second;
     master_.assign(shard, T(0));
     shard_grads_.assign(shard, T(0));
@@ -236,15 +248,28 @@ class sharded_data_parallel {
     for (const auto& b : layout_.buckets) {
       for (std::size_t k : b.parameters) bucket_of_[k] = b.index;
       state_[b.index].pending = b.parameters.size();
-      for_each_owned(b, rank_, [&](std::size_t k, std::size_t from, std::size_t to, std::size_t n) {
-        std::memcpy(master_.data() + b.shard_offset + to, params_[k].template values<T>().data() + from, n * sizeof(T));
+      visit_storage(param_type_, [&](auto tag) {
+        using P = typename decltype(tag)::type;
+        for_each_owned(b, rank_, [&](std::size_t k, std::size_t from, std::size_t to, std::size_t n) {
+          const P* src = params_[k].template values<P>().data() + from;
+          T* dst = master_.data() + b.shard_offset + to;
+          if constexpr (std::same_as<P, T>) std::memcpy(dst, src, n * sizeof(T));
+          else std::transform(src, src + n, dst, [](P x) { return widen(x); });
+        });
       });
     }
+    // send: a padded bucket of gradients in reduce_dtype, or of parameters for the all-gather.
+    // recv: one shard where a reduce-scatter lands before it is added or widened (stage 2, or a
+    // reduce_dtype other than T), or where the master shard is rounded before the all-gather.
+    const std::size_t send_bytes = layout_.largest_padded * std::max(size_of(reduce_type_), size_of(param_type_));
+    std::size_t recv_bytes = 0;
+    if (options_.stage == 2 || reduce_type_ != dtype_of<T>) recv_bytes = layout_.largest_shard * size_of(reduce_type_);
+    if (param_type_ != dtype_of<T>) recv_bytes = std::max(recv_bytes, layout_.largest_shard * size_of(param_type_));
     std::size_t slots = options_.bucket_buffers == 0 ? layout_.buckets.size() : std::min(options_.bucket_buffers, layout_.buckets.size());
     slots_.resize(slots);
     for (auto& s : slots_) {
-      s.send.assign(layout_.largest_padded, T(0));
-      if (options_.stage == 2) s.recv.assign(layout_.largest_shard, T(0));
+      s.send.assign(send_bytes, std::byte{0});
+      s.recv.assign(recv_bytes, std::byte{0});
     }
   }
 
@@ -301,7 +326,7 @@ class sharded_data_parallel {
                                       : "step() without a micro-step: call finish() after the backward pass",
                   context());
     }
-    if (options_.stage == 2 && world_ > 1) {
+    if (options_.stage == 2 && world_ > 1 && reduce_type_ == dtype_of<T>) {
       const T w = static_cast<T>(world_);
       for (auto& g : shard_grads_) g = g / w;
     }
@@ -311,17 +336,7 @@ class sharded_data_parallel {
     }
     optimizer_->step(std::span<T>(master_), std::span<const T>(shard_grads_));
     try {
-      for (const auto& b : layout_.buckets) {
-        if (b.numel == 0) continue;
-        slot& s = acquire_slot();
-        const std::span<const T> mine(master_.data() + b.shard_offset, b.shard);
-        const std::span<T> all(s.send.data(), b.padded);
-        if (world_ == 1) std::copy(mine.begin(), mine.end(), all.begin());
-        else s.work = detail::any_work(group_->all_gather_async(mine, all));
-        s.job = job_kind::gather;
-        s.bucket = b.index;
-        ++stats_.all_gathers;
-      }
+      visit_storage(param_type_, [&](auto tag) { gather_parameters<typename decltype(tag)::type>(); });
       complete_all();
     } catch (...) {
       drain_locked();
@@ -347,6 +362,10 @@ class sharded_data_parallel {
   }
 
   const std::vector<parameter_ref>& parameters() const noexcept { return params_; }
+  /// The model's dtype (T, or float16 / bfloat16 over a float32 master) and the one gradients
+  /// are reduce-scattered in.
+  dtype parameter_dtype() const noexcept { return param_type_; }
+  dtype reduce_dtype() const noexcept { return reduce_type_; }
   const shard_layout& layout() const noexcept { return layout_; }
   /// This rank's master parameters and shard gradients (bucket after bucket, see layout()).
   std::span<const T> shard_parameters() const noexcept { return master_; }
@@ -363,8 +382,8 @@ class sharded_data_parallel {
     s.optimizer_state_bytes = detail::optimizer_state_bytes(*optimizer_);
     s.master_parameter_bytes = master_.size() * sizeof(T);
     s.shard_gradient_bytes = shard_grads_.size() * sizeof(T);
-    for (const auto& sl : slots_) s.bucket_buffer_bytes += (sl.send.size() + sl.recv.size()) * sizeof(T);
-    s.accumulation_bytes = options_.stage == 1 ? layout_.numel * sizeof(T) : s.shard_gradient_bytes;
+    for (const auto& sl : slots_) s.bucket_buffer_bytes += sl.send.size() + sl.recv.size();
+    s.accumulation_bytes = options_.stage == 1 ? layout_.numel * size_of(param_type_) : s.shard_gradient_bytes;
     return s;
   }
   const sharded_options& options() const noexcept { return options_; }
@@ -377,8 +396,9 @@ class sharded_data_parallel {
  private:
   enum class job_kind { none, reduce, gather };
   struct slot {
-    std::vector<T> send;  // a padded bucket: reduce_scatter's input, all_gather's output
-    std::vector<T> recv;  // stage 2: one shard, the reduce_scatter's output before it is added
+    std::vector<std::byte> send;  // a padded bucket: reduce_scatter's input, all_gather's output
+    std::vector<std::byte> recv;  // one shard: a reduce_scatter's output before it is added or widened,
+                                  // or the rounded parameters an all_gather sends
     detail::any_work work;
     job_kind job = job_kind::none;
     std::size_t bucket = 0;
@@ -390,6 +410,63 @@ class sharded_data_parallel {
   };
 
   error_context context() const { return {.rank = static_cast<int>(group_->rank()), .op = "sharded_data_parallel"}; }
+
+  // f(std::type_identity<U>{}) for the element type `t` names among those this wrapper stores: T,
+  // and float16 / bfloat16 under a float optimizer (check_dtypes admits no other).
+  template <class F>
+  static void visit_storage(dtype t, F&& f) {
+    if constexpr (std::same_as<T, float>) {
+      if (t == dtype::float16) return f(std::type_identity<float16>{});
+      if (t == dtype::bfloat16) return f(std::type_identity<bfloat16>{});
+    }
+    f(std::type_identity<T>{});
+  }
+  template <class U>
+  static T widen(U x) noexcept {
+    if constexpr (half_precision<U>) return static_cast<float>(x);
+    else return x;
+  }
+  template <class U>
+  static U* as(std::vector<std::byte>& bytes) noexcept {
+    return reinterpret_cast<U*>(bytes.data());
+  }
+
+  // One dtype for all parameters: T, or float16 / bfloat16 under a float optimizer (a float32
+  // master); reduce_dtype the parameters' or T.
+  void check_dtypes() {
+    param_type_ = params_.empty() ? dtype_of<T> : params_.front().type;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].memory != memory_space::host) {
+        throw error(errc::unavailable,
+                    describe_parameter(i, params_[i].name) + " is in " + std::string(to_string(params_[i].memory)) +
+                        " memory: sharded_data_parallel copies and steps shards on the host for now",
+                    context());
+      }
+      if (params_[i].type != param_type_) {
+        throw error(errc::invalid_argument,
+                    describe_parameter(i, params_[i].name) + " is " + std::string(to_string(params_[i].type)) + " but " +
+                        describe_parameter(0, params_.front().name) + " is " + std::string(to_string(param_type_)) +
+                        ": every parameter must be of one dtype (the master shard is one buffer)",
+                    context());
+      }
+    }
+    const bool low = param_type_ == dtype::float16 || param_type_ == dtype::bfloat16;
+    if (param_type_ != dtype_of<T> && !(low && std::same_as<T, float>)) {
+      throw error(errc::invalid_argument,
+                  "the parameters are " + std::string(to_string(param_type_)) + " but the optimizer steps " +
+                      std::string(to_string(dtype_of<T>)) +
+                      ": every parameter must be of the optimizer's value_type, or float16 / bfloat16 under a float optimizer "
+                      "(which then steps a float32 master copy)",
+                  context());
+    }
+    reduce_type_ = options_.reduce_dtype.value_or(param_type_);
+    if (reduce_type_ != param_type_ && reduce_type_ != dtype_of<T>) {
+      throw error(errc::invalid_argument,
+                  "reduce_dtype " + std::string(to_string(reduce_type_)) + ": gradients are reduced in the parameters' dtype (" +
+                      std::string(to_string(param_type_)) + ") or the optimizer's (" + std::string(to_string(dtype_of<T>)) + ")",
+                  context());
+    }
+  }
 
   // distributed_data_parallel's construction is exactly the check this needs (count, shapes,
   // dtypes, memory space across ranks, naming the first difference) and the broadcast; one
@@ -428,30 +505,72 @@ class sharded_data_parallel {
   void launch(const shard_bucket& b) {
     if (b.numel == 0) return;  // the same on every rank: shapes were checked
     slot& s = acquire_slot();
-    T* const send = s.send.data();
+    visit_storage(reduce_type_, [&](auto tag) { launch_reduce<typename decltype(tag)::type>(b, s); });
+    s.job = job_kind::reduce;
+    s.bucket = b.index;
+    ++stats_.reduce_scatters;
+  }
+
+  // Bucket b's gradients in R (the model's bytes, or widened to T), reduce-scattered into this
+  // rank's shard gradient (stage 1 in T) or into the slot's shard buffer.
+  template <class R>
+  void launch_reduce(const shard_bucket& b, slot& s) {
+    R* const send = as<R>(s.send);
     for (std::size_t j = 0; j < b.parameters.size(); ++j) {
-      const auto g = params_[b.parameters[j]].template grads<T>();
-      if (!g.empty()) std::memcpy(send + b.offsets[j], g.data(), g.size_bytes());
+      const parameter_ref& p = params_[b.parameters[j]];
+      if (p.grad.empty()) continue;
+      if (p.type == dtype_of<R>) {
+        std::memcpy(send + b.offsets[j], p.grad.data(), p.grad.size());
+      } else if constexpr (std::same_as<R, T>) {
+        visit_storage(p.type, [&](auto tag) {
+          const auto g = p.template grads<typename decltype(tag)::type>();
+          std::transform(g.begin(), g.end(), send + b.offsets[j], [](auto x) { return widen(x); });
+        });
+      }
     }
-    std::fill(send + b.numel, send + b.padded, T(0));
-    const std::span<const T> in(send, b.padded);
-    if (options_.stage == 1) {
-      const std::span<T> out(shard_grads_.data() + b.shard_offset, b.shard);
-      if (world_ == 1) std::copy(in.begin(), in.end(), out.begin());
-      else s.work = detail::any_work(group_->reduce_scatter_async(in, out, avg{}));
-    } else {
+    std::fill(send + b.numel, send + b.padded, R{});
+    const std::span<const R> in(send, b.padded);
+    if (options_.stage == 2) {
       // Handed over: the model's gradients start the next micro-step from zero.
       for (std::size_t k : b.parameters) {
         const auto g = params_[k].grad;
         if (!g.empty()) std::memset(g.data(), 0, g.size());
       }
-      const std::span<T> out(s.recv.data(), b.shard);
-      if (world_ == 1) std::copy(in.begin(), in.end(), out.begin());
-      else s.work = detail::any_work(group_->reduce_scatter_async(in, out, sum{}));
     }
-    s.job = job_kind::reduce;
-    s.bucket = b.index;
-    ++stats_.reduce_scatters;
+    const bool into_shard = options_.stage == 1 && std::same_as<R, T>;
+    std::span<R> out;
+    if constexpr (std::same_as<R, T>) {
+      if (into_shard) out = std::span<R>(shard_grads_.data() + b.shard_offset, b.shard);
+    }
+    if (!into_shard) out = std::span<R>(as<R>(s.recv), b.shard);
+    if (world_ == 1) std::copy(in.begin(), in.end(), out.begin());
+    else if (options_.stage == 2 && std::same_as<R, T>) s.work = detail::any_work(group_->reduce_scatter_async(in, out, sum{}));
+    else s.work = detail::any_work(group_->reduce_scatter_async(in, out, avg{}));
+  }
+
+  // Every bucket's master shard (rounded to P unless P is T) all-gathered into the slots' send
+  // buffers; complete() copies each into the parameters.
+  template <class P>
+  void gather_parameters() {
+    for (const auto& b : layout_.buckets) {
+      if (b.numel == 0) continue;
+      slot& s = acquire_slot();
+      const T* const master = master_.data() + b.shard_offset;
+      std::span<const P> mine;
+      if constexpr (std::same_as<P, T>) {
+        mine = std::span<const P>(master, b.shard);
+      } else {
+        P* const rounded = as<P>(s.recv);
+        std::transform(master, master + b.shard, rounded, [](T x) { return P(x); });
+        mine = std::span<const P>(rounded, b.shard);
+      }
+      const std::span<P> all(as<P>(s.send), b.padded);
+      if (world_ == 1) std::copy(mine.begin(), mine.end(), all.begin());
+      else s.work = detail::any_work(group_->all_gather_async(mine, all));
+      s.job = job_kind::gather;
+      s.bucket = b.index;
+      ++stats_.all_gathers;
+    }
   }
 
   // The next buffer in turn, once what it held is done (buffers are used round robin, so that is
@@ -470,17 +589,22 @@ class sharded_data_parallel {
     w.wait();
     const shard_bucket& b = layout_.buckets[s.bucket];
     if (job == job_kind::reduce) {
-      if (options_.stage == 2) {
+      if (options_.stage == 1 && reduce_type_ == dtype_of<T>) return;  // reduced into the shard gradient itself
+      visit_storage(reduce_type_, [&](auto tag) {
+        using R = typename decltype(tag)::type;
         T* acc = shard_grads_.data() + b.shard_offset;
-        const T* in = s.recv.data();
-        if (!std::exchange(state_[b.index].accumulated, true)) std::copy(in, in + b.shard, acc);
-        else
-          for (std::size_t i = 0; i < b.shard; ++i) acc[i] += in[i];
-      }
+        const R* in = as<R>(s.recv);
+        if (options_.stage == 1 || !std::exchange(state_[b.index].accumulated, true)) {
+          std::transform(in, in + b.shard, acc, [](R x) { return widen(x); });
+        } else {
+          for (std::size_t i = 0; i < b.shard; ++i) acc[i] += widen(in[i]);
+        }
+      });
     } else {
+      const std::size_t element = size_of(param_type_);
       for (std::size_t j = 0; j < b.parameters.size(); ++j) {
-        const auto v = params_[b.parameters[j]].template values<T>();
-        if (!v.empty()) std::memcpy(v.data(), s.send.data() + b.offsets[j], v.size_bytes());
+        const auto v = params_[b.parameters[j]].value;
+        if (!v.empty()) std::memcpy(v.data(), s.send.data() + b.offsets[j] * element, v.size());
       }
     }
   }
@@ -576,6 +700,8 @@ class sharded_data_parallel {
   int world_ = 1;
   int rank_ = 0;
   shard_layout layout_;
+  dtype param_type_ = dtype_of<T>;   // the model's parameters and the all-gather
+  dtype reduce_type_ = dtype_of<T>;  // the reduce-scatter
   std::vector<T> master_;       // this rank's shard of the parameters, stepped by the optimizer
   std::vector<T> shard_grads_;  // this rank's shard of the gradients (stage 2: the accumulator)
   std::vector<slot> slots_;
