@@ -1,5 +1,6 @@
 #pragma once
-// Gradient compression hooks for distributed_data_parallel: fp16_compress and bf16_compress.
+// Gradient compression hooks for distributed_data_parallel: fp16_compress and bf16_compress, and
+// their opposite for half-precision models, reduce_in_float32.
 //
 //   net.set_comm_hook(ddp::fp16_compress);
 //
@@ -11,6 +12,15 @@
 // 2^-8 for bfloat16), plus whatever rounding the backend's half-precision sum does.
 // Buckets that are already half precision, or integers, get the plain average. Host buckets
 // only: with a device-memory group (nccl) the hook is errc::unavailable.
+//
+//   net.set_comm_hook(ddp::reduce_in_float32);   // a float16 / bfloat16 model
+//
+// Each float16 / bfloat16 bucket is widened into float32 scratch (bucket_view::scratch), all-
+// reduced with avg in float32 and rounded back into the bucket (to nearest even): the mean is
+// rounded once, whatever the backend does with half-precision data (the ring backend already
+// adds it in float32 and rounds once, so there the values are the default's; the wire carries
+// twice the bytes). Other buckets get the plain average. To keep the mean in float32 past the
+// bucket, reduce an fp32 master gradient instead (ddp/optim/master_weights.hpp).
 
 #include <cstddef>
 #include <memory>
@@ -104,10 +114,84 @@ struct compress_hook {
   }
 };
 
+/// The work of a widened all-reduce: when the inner one is done, round into the bucket (once).
+template <class Half, class Work>
+class narrow_work {
+ public:
+  narrow_work(Work inner, std::span<const float> wide, std::span<Half> out)
+      : state_(std::make_shared<state>(state{std::move(inner), wide, out, false})) {}
+
+  void wait() {
+    state_->inner.wait();
+    narrow();
+  }
+  bool wait(deadline d) {
+    if constexpr (deadline_waitable<Work>) {
+      if (!state_->inner.wait(d)) return false;
+    } else {
+      state_->inner.wait();
+    }
+    narrow();
+    return true;
+  }
+  bool is_completed() const {
+    if constexpr (completion_queryable<Work>) {
+      return state_->done || state_->inner.is_completed();
+    } else {
+      return state_->done;
+    }
+  }
+
+ private:
+  struct state {
+    Work inner;
+    std::span<const float> wide;
+    std::span<Half> out;
+    bool done;
+  };
+  void narrow() {
+    if (state_->done) return;
+    for (std::size_t i = 0; i < state_->out.size(); ++i) state_->out[i] = Half(state_->wide[i]);
+    state_->done = true;
+  }
+  std::shared_ptr<state> state_;
+};
+
+struct float32_reduce_hook {
+  template <collective_group G>
+  any_work operator()(const bucket_view& b, G& group) const {
+    if (group_memory(group) != memory_space::host) {
+      throw error(errc::unavailable,
+                  "reduce_in_float32 widens on the host, but bucket " + std::to_string(b.index) +
+                      " is in device memory: with a device backend (nccl) keep the default averaging or write a hook that "
+                      "converts on the device",
+                  {.rank = static_cast<int>(group.rank()), .op = "distributed_data_parallel"});
+    }
+    if (b.type == dtype::float16) return widened<float16>(b, group);
+    if (b.type == dtype::bfloat16) return widened<bfloat16>(b, group);
+    return visit_dtype(b.type, [&](auto tag) -> any_work {
+      using T = typename decltype(tag)::type;
+      return any_work(group.all_reduce_async(b.as<T>(), avg{}));
+    });
+  }
+
+ private:
+  template <class Half, class G>
+  static any_work widened(const bucket_view& b, G& group) {
+    const auto grads = b.as<Half>();
+    const auto bytes = b.scratch(grads.size() * sizeof(float));
+    const std::span<float> wide(reinterpret_cast<float*>(bytes.data()), grads.size());
+    for (std::size_t i = 0; i < grads.size(); ++i) wide[i] = static_cast<float>(grads[i]);
+    auto inner = group.all_reduce_async(wide, avg{});
+    return any_work(narrow_work<Half, decltype(inner)>(std::move(inner), wide, grads));
+  }
+};
+
 }  // namespace detail
 
 /// Hooks for distributed_data_parallel::set_comm_hook.
 inline constexpr detail::compress_hook<float16> fp16_compress{};
 inline constexpr detail::compress_hook<bfloat16> bf16_compress{};
+inline constexpr detail::float32_reduce_hook reduce_in_float32{};
 
 }  // namespace ddp

@@ -7,6 +7,7 @@
 //   grad_scaler.hpp  torch.amp.GradScaler (the caller agrees found_inf across ranks)
 //   clip.hpp         torch.nn.utils.clip_grad_norm_, and its distributed form
 //   distributed.hpp  the collectives: found_inf agreed across ranks, the sharded global norm
+//   master_weights.hpp  an fp32 master copy of bf16 / fp16 parameters for distributed_data_parallel
 //
 // ddp/optim/cuda.hpp (CUDA builds, compiled by nvcc) has the same optimizers, unscale and clipping
 // on spans of device memory, bit for bit with these host classes; it is not included here, so
@@ -16,4 +17,5 @@
 #include "ddp/optim/clip.hpp"
 #include "ddp/optim/distributed.hpp"
 #include "ddp/optim/grad_scaler.hpp"
+#include "ddp/optim/master_weights.hpp"
 #include "ddp/optim/sgd.hpp"
