@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -32,6 +33,13 @@ inline bool plain_sgd(const options& o) {
   return o.optimizer == "sgd" && o.momentum == 0 && o.weight_decay.value_or(0) == 0 && o.clip == 0 && o.zero == 0;
 }
 
+/// What a checkpoint keeps of the optimizer: torch's state["step"] and its buffers (empty when the
+/// optimizer has none; with --zero 1 and 2, this rank's shard of them).
+struct optimizer_snapshot {
+  std::vector<std::int64_t> step{0};
+  std::vector<float> momentum_buffer, exp_avg, exp_avg_sq, max_exp_avg_sq;
+};
+
 /// SGD or AdamW by --optimizer (host or device classes of the same interface), stepped with the
 /// lr of each step (set_lr).
 template <class Sgd, class AdamW>
@@ -47,6 +55,38 @@ class optimizer_choice {
   void step(std::span<float> params, std::span<const float> grads) {
     std::visit([&](auto& opt) { opt.step(params, grads); }, optimizer_);
   }
+  void save_to(optimizer_snapshot& out) const {
+    std::visit(
+        [&](const auto& opt) {
+          const auto st = opt.state();
+          out.step = {st.step};
+          if constexpr (requires { st.momentum_buffer; }) {
+            out.momentum_buffer = st.momentum_buffer;
+          } else {
+            out.exp_avg = st.exp_avg;
+            out.exp_avg_sq = st.exp_avg_sq;
+            out.max_exp_avg_sq = st.max_exp_avg_sq;
+          }
+        },
+        optimizer_);
+  }
+  void load_from(const optimizer_snapshot& in) {
+    std::visit(
+        [&](auto& opt) {
+          typename std::remove_cvref_t<decltype(opt)>::state_type st;
+          st.step = in.step.empty() ? 0 : in.step.front();
+          if constexpr (requires { st.momentum_buffer; }) {
+            st.momentum_buffer = in.momentum_buffer;
+          } else {
+            st.exp_avg = in.exp_avg;
+            st.exp_avg_sq = in.exp_avg_sq;
+            st.max_exp_avg_sq = in.max_exp_avg_sq;
+          }
+          opt.load_state(st);
+        },
+        optimizer_);
+  }
+
   /// The bytes of state this rank keeps (sharded_stats counts them; the report prints them).
   std::uint64_t state_bytes() const {
     return std::visit(

@@ -160,10 +160,6 @@ inline options parse_options(int argc, char** argv) {
                            o.clip == 0 && o.zero == 0;
     if (!plain_sgd && o.simulate_world > 0)
       throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero", "are not supported with --simulate-world");
-    // The checkpoint holds the parameters, not yet an optimizer's state or a ZeRO shard.
-    if (!plain_sgd && !o.checkpoint_dir.empty())
-      throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero",
-                                 "are not supported with --checkpoint-dir (the checkpoint holds no optimizer state)");
     if (o.dataset == "digits") {
       // The data fixes these; a value given anyway would be silently wrong.
       for (const auto* fixed : {samples, features, classes})

@@ -271,6 +271,7 @@ struct resumable {
   std::vector<std::uint8_t> lines;   // rank 0's printed lines, '\n'-terminated
   std::vector<double> samples_processed{0.0};
   std::vector<std::int64_t> heldout_samples{0};
+  optimizer_snapshot optimizer;  // --optimizer/--zero runs (plain SGD keeps no state)
 };
 
 /// The options a resumed run must share with the run that saved (the others, such as --epochs,
@@ -283,7 +284,13 @@ inline std::string checkpoint_config(const options& o) {
                 o.dataset.c_str(), o.samples, o.features, o.hidden, o.classes, o.batch_size, o.lr,
                 static_cast<unsigned long long>(o.data_seed), static_cast<long long>(o.sampler_seed), o.lr_scaling.c_str(),
                 o.warmup_epochs, o.base_batch);
-  return b;
+  std::string config = b;
+  if (!plain_sgd(o)) {  // the optimizer's state is only valid for the same optimizer, and its layout for the same --zero
+    std::snprintf(b, sizeof b, " optimizer=%s momentum=%.17g weight_decay=%.17g clip=%.17g zero=%d", o.optimizer.c_str(),
+                  o.momentum, o.weight_decay.value_or(-1), o.clip, o.zero);
+    config += b;
+  }
+  return config;
 }
 
 template <class Model>
@@ -300,6 +307,16 @@ ddp::checkpoint::state checkpoint_state(const options& o, const Model& model, re
   st.add_vector("train.heldout_loss_by_epoch", rep.heldout_loss_by_epoch, ck::scope::per_rank);
   st.add("train.samples_processed", std::span(r.samples_processed), {}, ck::scope::per_rank);
   st.add("train.heldout_samples", std::span(r.heldout_samples), {}, ck::scope::per_rank);
+  if (!plain_sgd(o)) {
+    // DDP: every rank's optimizer state is the same. ZeRO: each rank's shard of it, in the shard
+    // layout of this world size (a checkpoint resumes it at the same world size only).
+    const auto where = o.zero > 0 ? ck::scope::per_rank : ck::scope::replicated;
+    st.add_vector("optimizer.step", r.optimizer.step, where);
+    st.add_vector("optimizer.momentum_buffer", r.optimizer.momentum_buffer, where);
+    st.add_vector("optimizer.exp_avg", r.optimizer.exp_avg, where);
+    st.add_vector("optimizer.exp_avg_sq", r.optimizer.exp_avg_sq, where);
+    st.add_vector("optimizer.max_exp_avg_sq", r.optimizer.max_exp_avg_sq, where);
+  }
   st.metadata["train_ddp.config"] = checkpoint_config(o);
   return st;
 }
@@ -433,13 +450,24 @@ int run_distributed(const options& o, Gemm gemm) {
   ddp::optim::amp_shard_optimizer shard_step{optimizer, group, no_loss_scaling, {.max_norm = o.clip}};
   std::optional<ddp::distributed_data_parallel<flat_params, ddp::group>> replicated;
   std::optional<ddp::sharded_data_parallel<flat_params, ddp::group, decltype(shard_step)>> sharded;
-  if (o.zero == 0) {
-    replicated.emplace(params, group);
-  } else {
-    sharded.emplace(params, group, shard_step, ddp::sharded_options{.stage = o.zero});
-  }
+  // The sharded wrapper copies its master shard from the parameters when it is built: after a
+  // resume has loaded them (below).
+  if (o.zero == 0) replicated.emplace(params, group);
   const auto mark_ready = [&](std::size_t i) { replicated ? replicated->mark_ready(i) : sharded->mark_ready(i); };
   if (host_mirrors) model.set_values(host_values);
+  // The optimizer that the checkpoints save and load (the host one, or the device one of nccl).
+  const auto save_optimizer = [&](optimizer_snapshot& out) {
+#if defined(__CUDACC__)
+    if (device_optimizer) return device_optimizer->save_to(out);
+#endif
+    optimizer.save_to(out);
+  };
+  const auto load_optimizer = [&](const optimizer_snapshot& in) {
+#if defined(__CUDACC__)
+    if (device_optimizer) return device_optimizer->load_from(in);
+#endif
+    optimizer.load_from(in);
+  };
 
   ddp::distributed_sampler sampler{data.n, world, rank, ddp::sampler_options{.shuffle = true, .seed = o.sampler_seed}};
   report rep = base_report(o, Gemm::name, all, world);
@@ -473,6 +501,10 @@ int run_distributed(const options& o, Gemm gemm) {
                                                 " ranks, this job has " + std::to_string(world) +
                                                 " (--allow-world-size-change resumes it at the start of its interrupted "
                                                 "epoch; or pass --no-resume)");
+      if (resized && o.zero > 0)
+        throw ddp::error(ddp::errc::config, "checkpoint " + path.string() + " holds each of its " + std::to_string(found[1]) +
+                                                " ranks' shard of the optimizer state (--zero " + std::to_string(o.zero) +
+                                                "): resume it with " + std::to_string(found[1]) + " ranks (or pass --no-resume)");
       // The linear rule's lr depends on the world size and its warmup on the step count per epoch.
       if (resized && o.lr_scaling != "none")
         throw ddp::error(ddp::errc::config, "--allow-world-size-change: not with --lr-scaling " + o.lr_scaling +
@@ -488,6 +520,7 @@ int run_distributed(const options& o, Gemm gemm) {
                                                 "\n  now:   " + checkpoint_config(o) + "\n(or pass --no-resume)");
       model.set_values(saved.values);
       if (host_mirrors) std::copy(saved.values.begin(), saved.values.end(), host_values.begin());
+      if (!plain) load_optimizer(saved.optimizer);
       if (got.world_size_changed && rank == 0) {
         // Per-rank records were not loaded. Rank 0's log (its lines, step losses, held-out
         // results) is the job's: read from the saved rank 0. Loss sums restart at this epoch.
@@ -539,12 +572,17 @@ int run_distributed(const options& o, Gemm gemm) {
     }
     now.samples_processed = {rep.samples_processed};
     now.heldout_samples = {rep.heldout_samples};
+    if (!plain) save_optimizer(now.optimizer);
     auto st = checkpoint_state(o, model, now, rep);
     st.sampler = {.seed = o.sampler_seed, .epoch = epoch, .batches_done = batches_done};
     st.metadata["step"] = std::to_string(step);
     ddp::checkpoint::save(group, o.checkpoint_dir, step, st, {.keep = o.keep});
     rep.checkpoints_saved.push_back(step);
   };
+  if (o.zero > 0) {
+    sharded.emplace(params, group, shard_step, ddp::sharded_options{.stage = o.zero});
+    if (host_mirrors) model.set_values(host_values);
+  }
   probe.sample();
   group.barrier();  // time the loop, not the rendezvous
   using clock = std::chrono::steady_clock;

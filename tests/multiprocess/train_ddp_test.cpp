@@ -16,6 +16,7 @@
 #include <map>
 #include <optional>
 #include <signal.h>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -529,7 +530,6 @@ TEST_CASE("train_ddp --optimizer/--clip with --zero 0, 1, 2 (real ranks) stays w
 TEST_CASE("train_ddp rejects --optimizer options where they are not supported, with a message") {
   require_binary();
   for (const auto& args : std::vector<std::vector<std::string>>{{"--zero", "1", "--simulate-world", "2"},
-                                                                {"--optimizer", "adamw", "--checkpoint-dir", "/nonexistent"},
                                                                 {"--optimizer", "adamw", "--momentum", "0.9"}}) {
     std::vector<std::string> full{exe};
     full.insert(full.end(), args.begin(), args.end());
@@ -552,4 +552,50 @@ TEST_CASE("train_ddp --optimizer adamw --zero 1 and 2 at world size 1 equal --ze
     CHECK(run.report["final_params_bits"] == *zero0);
     CHECK(run.report["step_losses_rank0"].size() == 96);
   }
+}
+
+// The optimizer's state in the checkpoint: a run stopped after 20 steps (--max-steps, a checkpoint
+// every 10) and resumed continues as if never stopped, bit for bit, with AdamW's moments and step
+// count (its bias correction) and SGD's momentum, replicated (--zero 0) or as each rank's shard.
+TEST_CASE("train_ddp --optimizer with --checkpoint-dir: stopped and resumed equals the run without a stop, bit for bit") {
+  require_binary();
+  struct config {
+    std::vector<std::string> args;
+    const char* tag;
+  };
+  for (const auto& c : std::vector<config>{{{"--optimizer", "adamw", "--zero", "0"}, "adamw0"},
+                                           {{"--optimizer", "adamw", "--zero", "2"}, "adamw2"},
+                                           {{"--optimizer", "sgd", "--momentum", "0.9", "--zero", "1", "--clip", "0.1"}, "sgd1"}}) {
+    INFO(c.tag);
+    std::vector<std::string> base{"--init-seed", "0", "--nproc-per-node", "2"};
+    base.insert(base.end(), c.args.begin(), c.args.end());
+    const auto whole = run_train(base, std::string("ckpt_whole_") + c.tag);
+    const std::string dir = std::string(DDP_TEST_BINARY_DIR) + "/train_ddp_optimizer_ckpt_" + c.tag + "_" + std::to_string(::getpid());
+    auto first = base;
+    first.insert(first.end(), {"--checkpoint-dir", dir, "--checkpoint-every", "10", "--max-steps", "20"});
+    run_train(first, std::string("ckpt_first_") + c.tag);
+    auto second = base;
+    second.insert(second.end(), {"--checkpoint-dir", dir});
+    const auto resumed = run_train(second, std::string("ckpt_resumed_") + c.tag);
+    std::filesystem::remove_all(dir);
+    CHECK(resumed.report["resumed_from_step"].get<long>() == 20);
+    CHECK(resumed.report["final_params_bits"] == whole.report["final_params_bits"]);
+    CHECK(resumed.report["epoch_loss_sums_by_rank"] == whole.report["epoch_loss_sums_by_rank"]);
+  }
+}
+
+TEST_CASE("train_ddp --zero 1: a checkpoint of 2 ranks does not resume with 3, with a message naming both") {
+  require_binary();
+  const std::string dir = std::string(DDP_TEST_BINARY_DIR) + "/train_ddp_zero_resize_" + std::to_string(::getpid());
+  run_train({"--init-seed", "0", "--nproc-per-node", "2", "--optimizer", "adamw", "--zero", "1", "--checkpoint-dir", dir,
+             "--checkpoint-every", "5", "--max-steps", "5"},
+            "zero_resize_first");
+  ddp::test::child_process p({exe, "--init-seed", "0", "--nproc-per-node", "3", "--optimizer", "adamw", "--zero", "1",
+                              "--checkpoint-dir", dir, "--allow-world-size-change"});
+  CHECK(p.wait(std::chrono::seconds(60)) != 0);
+  std::filesystem::remove_all(dir);
+  const std::string text = p.err_text + p.out_text;
+  INFO(text);
+  CHECK(text.find("shard of the optimizer state") != std::string::npos);
+  CHECK(text.find("resume it with 2 ranks") != std::string::npos);
 }
