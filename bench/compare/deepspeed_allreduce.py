@@ -15,6 +15,7 @@ and warm-up counts follow bench/common/bench_table.hpp; the time of a size is th
 mean over the iterations.
 """
 import argparse
+import glob
 import os
 import socket
 import subprocess
@@ -118,6 +119,9 @@ def main():
         env_rank = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
         children.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank)], env=env_rank))
     failed = sum(1 for c in children if c.wait() != 0)
+    # The op leaves its shared buffers (named after MASTER_ADDR and MASTER_PORT) in /dev/shm.
+    for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{env['MASTER_PORT']}_*"):
+        os.unlink(name)
     return 1 if failed else 0
 
 
