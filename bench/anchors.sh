@@ -159,7 +159,10 @@ for rep in $(seq 1 "$reps"); do
     for system in "${run[@]}"; do
       done_runs=$((done_runs + 1))
       printf '\rbench: rep %d/%d  p=%d  %-20s [%d/%d, %ds]' "$rep" "$reps" "$np" "$system" "$done_runs" "$total" $(( $(date +%s) - started )) >&2
-      rows=$(run_system "$system" "$np" "${sweep[@]}" 2>>"$anchors/run.log") || echo " bench: $system p=$np failed (see $anchors/run.log)" >&2
+      rc=0
+      rows=$(run_system "$system" "$np" "${sweep[@]}" 2>>"$anchors/run.log") || rc=$?
+      if [ "$rc" -eq 124 ]; then echo " bench: $system p=$np stopped after LIMIT=$limit s (rows so far kept)" >&2
+      elif [ "$rc" -ne 0 ]; then echo " bench: $system p=$np failed, exit $rc (see $anchors/run.log)" >&2; fi
       grep "^$system," <<<"$rows" | sed "s/^/$rep,/" >> "$raw" || true
     done
   done

@@ -17,6 +17,7 @@ mean over the iterations.
 import argparse
 import glob
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +48,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def unlink_buffers(port):
+    for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+
+
 def rank_main(args):
     import torch
     import deepspeed
@@ -68,6 +77,11 @@ def rank_main(args):
         print(f"rank {rank}: check failed: {float(probe[0])}", file=sys.stderr)
         return 1
     call = dist.inference_all_reduce if args.via_comm else torch.ops.deepspeed.inference_all_reduce_
+    # Every rank has mapped the op's shared buffers by now: drop their names, so that nothing stays
+    # in /dev/shm however the run ends.
+    dist.barrier()
+    if rank == 0:
+        unlink_buffers(os.environ["MASTER_PORT"])
     timing = torch.zeros(1, dtype=torch.float64)
     if rank == 0 and args.csv:
         print("system,ranks,bytes,count,type,time_us,algbw_gbs,busbw_gbs", flush=True)
@@ -115,13 +129,20 @@ def main():
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(args.np), LOCAL_SIZE=str(args.np), OMP_NUM_THREADS="1")
     children = []
-    for rank in range(args.np):
-        env_rank = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        children.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank)], env=env_rank))
-    failed = sum(1 for c in children if c.wait() != 0)
-    # The op leaves its shared buffers (named after MASTER_ADDR and MASTER_PORT) in /dev/shm.
-    for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{env['MASTER_PORT']}_*"):
-        os.unlink(name)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # timeout(1): still unlink below
+    try:
+        for rank in range(args.np):
+            env_rank = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            children.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank)], env=env_rank))
+        failed = sum(1 for c in children if c.wait() != 0)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+        # The op leaves its shared buffers (named after MASTER_ADDR and MASTER_PORT) in /dev/shm
+        # when a run ends before rank 0 drops them.
+        unlink_buffers(env["MASTER_PORT"])
     return 1 if failed else 0
 
 
