@@ -73,11 +73,22 @@
 // i.e. 4N + 16N/W; DDP with an fp32 master copy (ddp/optim/master_weights.hpp) holds
 // 4N + 4N + 4N + 8N = 20N.
 //
+// Device memory (the NCCL backend, through ddp::group or ddp::process_group<nccl_backend>): when
+// the parameters are in device memory, so are the master shard, the shard gradients and the
+// bucket buffers, allocated once at construction with the group's allocate<T>(n); the group's
+// copy_memory moves bytes between them and the model, the collectives run on them, and the
+// optimizer steps device spans (ddp::optim::cuda::sgd / adamw, on the default stream or a
+// blocking one). Zeroing, stage 2's accumulation and the divisions are kernels on the legacy
+// default stream, which this header cannot hold (it builds without CUDA):
+// <ddp/data_parallel/sharded_cuda.hpp>, included in one .cu file of the program, installs them.
+// Device parameters are of the optimizer's value_type, float or double (no float32 master over
+// float16 / bfloat16 there yet). The results are those of the host path, bit for bit.
+//
 // Construction checks the parameters across ranks and broadcasts rank 0's values with
-// distributed_data_parallel's own construction (same checks, same messages). Host memory, and
-// every parameter of the optimizer's value_type (or all float16 / all bfloat16 under a float
-// optimizer); mark_ready may be called from any thread (calls are serialized); finish(), step()
-// and no_sync() belong to the training loop.
+// distributed_data_parallel's own construction (same checks, same messages). All parameters in
+// one memory space, and every parameter of the optimizer's value_type (or all float16 / all
+// bfloat16 under a float optimizer, in host memory); mark_ready may be called from any thread
+// (calls are serialized); finish(), step() and no_sync() belong to the training loop.
 //
 // Over 400 lines on purpose: one class template whose private members share its buffers, step
 // state and mutex, as distributed_data_parallel's; the pure layout is apart (shard_layout.hpp).
@@ -88,6 +99,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -103,6 +115,7 @@
 #include "ddp/data_parallel/any_work.hpp"
 #include "ddp/data_parallel/collective_group.hpp"
 #include "ddp/data_parallel/distributed_data_parallel.hpp"
+#include "ddp/data_parallel/group_traits.hpp"
 #include "ddp/data_parallel/options.hpp"
 #include "ddp/data_parallel/shard_layout.hpp"
 #include "ddp/data_parallel/waitable.hpp"
@@ -162,6 +175,21 @@ concept sharded_all_gather = requires(G& g, std::span<const float> in, std::span
 template <class O>
 concept shard_optimizer = requires { typename O::value_type; } && dtype_like<typename O::value_type> &&
                           requires(O& o, std::span<typename O::value_type> p, std::span<const typename O::value_type> g) { o.step(p, g); };
+
+/// The element operations sharded_data_parallel runs on device memory, on the current device's
+/// legacy default stream (after the copies and kernels queued there, before the collectives the
+/// NCCL backend orders after it). Set by <ddp/data_parallel/sharded_cuda.hpp>; this header holds
+/// only the pointer, so that it builds without CUDA and reads the same in every translation unit.
+struct sharded_device_ops {
+  void (*zero)(void* data, std::size_t bytes);                                  // all bits clear
+  void (*add)(dtype type, void* acc, const void* in, std::size_t n);            // acc[i] += in[i]
+  void (*divide)(dtype type, void* data, std::size_t n, std::size_t divisor);   // data[i] /= T(divisor)
+};
+inline const sharded_device_ops* sharded_device = nullptr;
+
+/// The group can hold shards in its own (device) memory: allocate<T>(n) and copy_memory.
+template <class G, class T>
+concept allocates_shards = copies_memory<G> && requires(G& g, std::size_t n) { g.template allocate<T>(n); };
 
 /// Bytes of an optimizer's state: o.state_bytes() when it has one, else the buffers of the
 /// shipped optimizers' state() (momentum_buffer; exp_avg, exp_avg_sq, max_exp_avg_sq), else 0.
@@ -233,6 +261,7 @@ class sharded_data_parallel {
     if (options_.bucket_cap_bytes == 0 || options_.first_bucket_bytes == 0) {
       throw error(errc::invalid_argument, "bucket_cap_bytes and first_bucket_bytes must be positive", context());
     }
+    check_memory_space();
     check_and_broadcast();
     check_dtypes();
     world_ = static_cast<int>(group_->size());
@@ -240,8 +269,8 @@ class sharded_data_parallel {
     layout_ = make_shard_layout(params_, world_, options_.first_bucket_bytes, options_.bucket_cap_bytes);
     const auto it = layout_.shard_numel.find(param_type_);
     const std::size_t shard = it == layout_.shard_numel.end() ? 0 : it->second;
-    master_.assign(shard, T(0));
-    shard_grads_.assign(shard, T(0));
+    master_ = make_buffer(shard, master_owner_);
+    shard_grads_ = make_buffer(shard, shard_grads_owner_);
     bucket_of_.assign(params_.size(), 0);
     marked_.assign(params_.size(), 0);
     state_.resize(layout_.buckets.size());
@@ -253,7 +282,7 @@ class sharded_data_parallel {
         for_each_owned(b, rank_, [&](std::size_t k, std::size_t from, std::size_t to, std::size_t n) {
           const P* src = params_[k].template values<P>().data() + from;
           T* dst = master_.data() + b.shard_offset + to;
-          if constexpr (std::same_as<P, T>) std::memcpy(dst, src, n * sizeof(T));
+          if constexpr (std::same_as<P, T>) copy_bytes(dst, src, n * sizeof(T));
           else std::transform(src, src + n, dst, [](P x) { return widen(x); });
         });
       });
@@ -268,8 +297,8 @@ class sharded_data_parallel {
     std::size_t slots = options_.bucket_buffers == 0 ? layout_.buckets.size() : std::min(options_.bucket_buffers, layout_.buckets.size());
     slots_.resize(slots);
     for (auto& s : slots_) {
-      s.send.assign(send_bytes, std::byte{0});
-      s.recv.assign(recv_bytes, std::byte{0});
+      s.send = std::as_writable_bytes(make_buffer(send_bytes / sizeof(T) + (send_bytes % sizeof(T) != 0), s.send_owner)).first(send_bytes);
+      s.recv = std::as_writable_bytes(make_buffer(recv_bytes / sizeof(T) + (recv_bytes % sizeof(T) != 0), s.recv_owner)).first(recv_bytes);
     }
   }
 
@@ -326,15 +355,9 @@ class sharded_data_parallel {
                                       : "step() without a micro-step: call finish() after the backward pass",
                   context());
     }
-    if (options_.stage == 2 && world_ > 1 && reduce_type_ == dtype_of<T>) {
-      const T w = static_cast<T>(world_);
-      for (auto& g : shard_grads_) g = g / w;
-    }
-    if (micro_steps_ > 1) {
-      const T k = static_cast<T>(micro_steps_);
-      for (auto& g : shard_grads_) g = g / k;
-    }
-    optimizer_->step(std::span<T>(master_), std::span<const T>(shard_grads_));
+    if (options_.stage == 2 && world_ > 1 && reduce_type_ == dtype_of<T>) divide_shard_gradients(static_cast<std::size_t>(world_));
+    if (micro_steps_ > 1) divide_shard_gradients(micro_steps_);
+    optimizer_->step(master_, std::span<const T>(shard_grads_));
     try {
       visit_storage(param_type_, [&](auto tag) { gather_parameters<typename decltype(tag)::type>(); });
       complete_all();
@@ -367,7 +390,8 @@ class sharded_data_parallel {
   dtype parameter_dtype() const noexcept { return param_type_; }
   dtype reduce_dtype() const noexcept { return reduce_type_; }
   const shard_layout& layout() const noexcept { return layout_; }
-  /// This rank's master parameters and shard gradients (bucket after bucket, see layout()).
+  /// This rank's master parameters and shard gradients (bucket after bucket, see layout()), in the
+  /// parameters' memory space.
   std::span<const T> shard_parameters() const noexcept { return master_; }
   std::span<const T> shard_gradients() const noexcept { return shard_grads_; }
   sharded_stats stats() const {
@@ -396,9 +420,10 @@ class sharded_data_parallel {
  private:
   enum class job_kind { none, reduce, gather };
   struct slot {
-    std::vector<std::byte> send;  // a padded bucket: reduce_scatter's input, all_gather's output
-    std::vector<std::byte> recv;  // one shard: a reduce_scatter's output before it is added or widened,
-                                  // or the rounded parameters an all_gather sends
+    std::span<std::byte> send;  // a padded bucket: reduce_scatter's input, all_gather's output
+    std::span<std::byte> recv;  // one shard: a reduce_scatter's output before it is added or widened,
+                                // or the rounded parameters an all_gather sends
+    std::shared_ptr<void> send_owner, recv_owner;
     detail::any_work work;
     job_kind job = job_kind::none;
     std::size_t bucket = 0;
@@ -427,8 +452,91 @@ class sharded_data_parallel {
     else return x;
   }
   template <class U>
-  static U* as(std::vector<std::byte>& bytes) noexcept {
+  static U* as(std::span<std::byte> bytes) noexcept {
     return reinterpret_cast<U*>(bytes.data());
+  }
+
+  // n zeros of T in the parameters' memory: a std::vector on the host, the group's allocate<T>
+  // on the device (collective where the group's is: every rank makes the same calls, in order).
+  std::span<T> make_buffer(std::size_t n, std::shared_ptr<void>& owner) {
+    if constexpr (detail::allocates_shards<Group, T>) {
+      if (device_) {
+        using A = std::remove_cvref_t<decltype(group_->template allocate<T>(n))>;
+        auto owned = std::shared_ptr<A>(new A(group_->template allocate<T>(n)));
+        std::span<T> s;
+        if constexpr (std::ranges::contiguous_range<A&>) s = std::span<T>(std::ranges::data(*owned), std::ranges::size(*owned));
+        else if constexpr (requires { owned->span(); }) s = std::span<T>(owned->span());
+        else s = std::span<T>(owned->data(), owned->size());
+        if (s.size() < n) throw error(errc::internal, "group.allocate returned fewer elements than asked for", context());
+        s = s.first(n);
+        zero_bytes(s.data(), s.size_bytes());
+        owner = std::move(owned);
+        return s;
+      }
+    }
+    auto owned = std::make_shared<std::vector<T>>(n, T(0));
+    const std::span<T> s(*owned);
+    owner = std::move(owned);
+    return s;
+  }
+  // Between the model and this wrapper's buffers: memcpy on the host, the group's copy_memory on
+  // the device.
+  void copy_bytes(void* dst, const void* src, std::size_t n) {
+    if (n == 0) return;
+    if constexpr (detail::copies_memory<Group>) {
+      if (device_) {
+        group_->copy_memory(dst, src, n);
+        return;
+      }
+    }
+    std::memcpy(dst, src, n);
+  }
+  void zero_bytes(void* dst, std::size_t n) {
+    if (n == 0) return;
+    if (device_) detail::sharded_device->zero(dst, n);
+    else std::memset(dst, 0, n);
+  }
+  // shard_grads_[i] = shard_grads_[i] / T(divisor), one rounded division each.
+  void divide_shard_gradients(std::size_t divisor) {
+    if (device_) return detail::sharded_device->divide(dtype_of<T>, shard_grads_.data(), shard_grads_.size(), divisor);
+    const T d = static_cast<T>(divisor);
+    for (auto& g : shard_grads_) g = g / d;
+  }
+
+  // One memory space for all parameters (the shard buffers are in one); device memory needs a
+  // group that allocates and copies it and the kernels of sharded_cuda.hpp.
+  void check_memory_space() {
+    if (params_.empty()) return;
+    const memory_space space = params_.front().memory;
+    for (std::size_t i = 1; i < params_.size(); ++i) {
+      if (params_[i].memory != space) {
+        throw error(errc::invalid_argument,
+                    describe_parameter(i, params_[i].name) + " is in " + std::string(to_string(params_[i].memory)) + " memory but " +
+                        describe_parameter(0, params_.front().name) + " is in " + std::string(to_string(space)) +
+                        " memory: every parameter must be in one memory space (the master shard is one buffer)",
+                    context());
+      }
+    }
+    if (space == memory_space::host) return;
+    if constexpr (!detail::allocates_shards<Group, T>) {
+      throw error(errc::unavailable,
+                  "the parameters are in device memory and this group has no allocate<T>(n) and copy_memory to hold their "
+                  "shards there: use a device backend (nccl, through ddp::group or ddp::process_group<ddp::nccl_backend>)",
+                  context());
+    }
+    if constexpr (!std::same_as<T, float> && !std::same_as<T, double>) {
+      throw error(errc::unavailable,
+                  "the parameters are in device memory: sharded_data_parallel steps float or double shards there, not " +
+                      std::string(to_string(dtype_of<T>)),
+                  context());
+    }
+    if (detail::sharded_device == nullptr) {
+      throw error(errc::unavailable,
+                  "the parameters are in device memory: include <ddp/data_parallel/sharded_cuda.hpp> in a CUDA (.cu) file of "
+                  "the program, which provides the kernels that zero, accumulate and divide the shards there",
+                  context());
+    }
+    device_ = true;
   }
 
   // One dtype for all parameters: T, or float16 / bfloat16 under a float optimizer (a float32
@@ -436,12 +544,6 @@ class sharded_data_parallel {
   void check_dtypes() {
     param_type_ = params_.empty() ? dtype_of<T> : params_.front().type;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i].memory != memory_space::host) {
-        throw error(errc::unavailable,
-                    describe_parameter(i, params_[i].name) + " is in " + std::string(to_string(params_[i].memory)) +
-                        " memory: sharded_data_parallel copies and steps shards on the host for now",
-                    context());
-      }
       if (params_[i].type != param_type_) {
         throw error(errc::invalid_argument,
                     describe_parameter(i, params_[i].name) + " is " + std::string(to_string(params_[i].type)) + " but " +
@@ -457,6 +559,13 @@ class sharded_data_parallel {
                       std::string(to_string(dtype_of<T>)) +
                       ": every parameter must be of the optimizer's value_type, or float16 / bfloat16 under a float optimizer "
                       "(which then steps a float32 master copy)",
+                  context());
+    }
+    if (device_ && param_type_ != dtype_of<T>) {
+      throw error(errc::unavailable,
+                  "the parameters are " + std::string(to_string(param_type_)) +
+                      " in device memory: the float32 master over float16 / bfloat16 parameters is kept in host memory only; "
+                      "use float parameters on the device, or host memory",
                   context());
     }
     reduce_type_ = options_.reduce_dtype.value_or(param_type_);
@@ -520,7 +629,7 @@ class sharded_data_parallel {
       const parameter_ref& p = params_[b.parameters[j]];
       if (p.grad.empty()) continue;
       if (p.type == dtype_of<R>) {
-        std::memcpy(send + b.offsets[j], p.grad.data(), p.grad.size());
+        copy_bytes(send + b.offsets[j], p.grad.data(), p.grad.size());
       } else if constexpr (std::same_as<R, T>) {
         visit_storage(p.type, [&](auto tag) {
           const auto g = p.template grads<typename decltype(tag)::type>();
@@ -528,14 +637,11 @@ class sharded_data_parallel {
         });
       }
     }
-    std::fill(send + b.numel, send + b.padded, R{});
+    zero_bytes(send + b.numel, (b.padded - b.numel) * sizeof(R));
     const std::span<const R> in(send, b.padded);
     if (options_.stage == 2) {
       // Handed over: the model's gradients start the next micro-step from zero.
-      for (std::size_t k : b.parameters) {
-        const auto g = params_[k].grad;
-        if (!g.empty()) std::memset(g.data(), 0, g.size());
-      }
+      for (std::size_t k : b.parameters) zero_bytes(params_[k].grad.data(), params_[k].grad.size());
     }
     const bool into_shard = options_.stage == 1 && std::same_as<R, T>;
     std::span<R> out;
@@ -543,7 +649,7 @@ class sharded_data_parallel {
       if (into_shard) out = std::span<R>(shard_grads_.data() + b.shard_offset, b.shard);
     }
     if (!into_shard) out = std::span<R>(as<R>(s.recv), b.shard);
-    if (world_ == 1) std::copy(in.begin(), in.end(), out.begin());
+    if (world_ == 1) copy_bytes(out.data(), in.data(), in.size_bytes());
     else if (options_.stage == 2 && std::same_as<R, T>) s.work = detail::any_work(group_->reduce_scatter_async(in, out, sum{}));
     else s.work = detail::any_work(group_->reduce_scatter_async(in, out, avg{}));
   }
@@ -565,7 +671,7 @@ class sharded_data_parallel {
         mine = std::span<const P>(rounded, b.shard);
       }
       const std::span<P> all(as<P>(s.send), b.padded);
-      if (world_ == 1) std::copy(mine.begin(), mine.end(), all.begin());
+      if (world_ == 1) copy_bytes(all.data(), mine.data(), mine.size_bytes());
       else s.work = detail::any_work(group_->all_gather_async(mine, all));
       s.job = job_kind::gather;
       s.bucket = b.index;
@@ -595,7 +701,10 @@ class sharded_data_parallel {
         T* acc = shard_grads_.data() + b.shard_offset;
         const R* in = as<R>(s.recv);
         if (options_.stage == 1 || !std::exchange(state_[b.index].accumulated, true)) {
-          std::transform(in, in + b.shard, acc, [](R x) { return widen(x); });
+          if (device_) copy_bytes(acc, in, b.shard * sizeof(T));  // R is T on the device
+          else std::transform(in, in + b.shard, acc, [](R x) { return widen(x); });
+        } else if (device_) {
+          detail::sharded_device->add(dtype_of<T>, acc, in, b.shard);
         } else {
           for (std::size_t i = 0; i < b.shard; ++i) acc[i] += widen(in[i]);
         }
@@ -604,7 +713,7 @@ class sharded_data_parallel {
       const std::size_t element = size_of(param_type_);
       for (std::size_t j = 0; j < b.parameters.size(); ++j) {
         const auto v = params_[b.parameters[j]].value;
-        if (!v.empty()) std::memcpy(v.data(), s.send.data() + b.offsets[j] * element, v.size());
+        if (!v.empty()) copy_bytes(v.data(), s.send.data() + b.offsets[j] * element, v.size());
       }
     }
   }
@@ -639,8 +748,7 @@ class sharded_data_parallel {
     for (std::size_t k = params_.size(); k-- > 0;) {
       if (marked_[k]) continue;
       // Peers are waiting for this rank's buckets: take part with a zero gradient either way.
-      const auto g = params_[k].grad;
-      if (!g.empty()) std::memset(g.data(), 0, g.size());
+      zero_bytes(params_[k].grad.data(), params_[k].grad.size());
       if (missing_count < 16) missing += (missing.empty() ? "" : ", ") + describe_parameter(k, params_[k].name);
       ++missing_count;
       mark_locked(k);
@@ -702,8 +810,10 @@ class sharded_data_parallel {
   shard_layout layout_;
   dtype param_type_ = dtype_of<T>;   // the model's parameters and the all-gather
   dtype reduce_type_ = dtype_of<T>;  // the reduce-scatter
-  std::vector<T> master_;       // this rank's shard of the parameters, stepped by the optimizer
-  std::vector<T> shard_grads_;  // this rank's shard of the gradients (stage 2: the accumulator)
+  bool device_ = false;         // the parameters, and so every buffer below, are in device memory
+  std::span<T> master_;         // this rank's shard of the parameters, stepped by the optimizer
+  std::span<T> shard_grads_;    // this rank's shard of the gradients (stage 2: the accumulator)
+  std::shared_ptr<void> master_owner_, shard_grads_owner_;
   std::vector<slot> slots_;
   std::size_t next_slot_ = 0;
   std::vector<bucket_state> state_;
