@@ -14,8 +14,9 @@
 #    host operands, compute-stream ordering, mismatch and deadline (these two need 2 GPUs), DDP on
 #    thrust::device_vector, checkpoints of device memory (saved, loaded into device and host
 #    memory, bit for bit), the optimizers on device memory (SGD and AdamW stepped on device and on
-#    host, parameters and state bit for bit; unscale and clipping), the host-side logic, the
-#    benchmark's checked short sweep;
+#    host, parameters and state bit for bit; unscale and clipping), sharded_data_parallel (ZeRO 1
+#    and 2) on device parameters with those optimizers against the host arithmetic, bit for bit
+#    (W = 1, and W = 2 with 2+ GPUs), the host-side logic, the benchmark's checked short sweep;
 # 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
 #    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2); the same with
 #    --optimizer adamw --clip (ddp/optim/cuda.hpp on device memory) and with --zero 1 over the
@@ -106,7 +107,7 @@ fi
 build_targets() {  # one make per target, side by side (a make given several targets runs them in turn)
   cmake --build "$build" --target ddp_catch_main || return 1
   local pids=() target status=0
-  for target in nccl_host_logic_test nccl_backend_test ddp_device_test checkpoint_device_test optim_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
+  for target in nccl_host_logic_test nccl_backend_test ddp_device_test checkpoint_device_test optim_device_test sharded_device_test ddp_bench_nccl ddp_bench_nccl_calls train_ddp train_ddp_cuda; do
     cmake --build "$build" -j "$jobs" --target "$target" &
     pids+=($!)
   done

@@ -1,0 +1,211 @@
+// sharded_data_parallel (ZeRO stages 1 and 2) with parameters in thrust::device_vector over the
+// NCCL backend, the optimizer of ddp/optim/cuda.hpp stepping the device shard, against the host
+// arithmetic the wrapper documents (sharded_data_parallel.hpp: the mean over ranks and
+// micro-steps, each division rounded once in float) and the host optimizer of ddp/optim.hpp over
+// the full parameters, bit for bit. Ranks are threads, one device each: a world of one on one GPU,
+// and of two where two are visible. Gradients are pseudo-random floats, so the sums and divisions
+// round; a sum of two floats rounds the same in either order, so NCCL's reduction of two ranks
+// gives the host's bits (its average scales by 1/2 exactly). Without a GPU every case says
+// SKIPPED and why.
+#include <ddp/adapters/thrust.hpp>
+#include <ddp/data_parallel.hpp>
+#include <ddp/data_parallel/sharded_cuda.hpp>
+#include <ddp/nccl.hpp>
+#include <ddp/optim.hpp>
+#include <ddp/optim/cuda.hpp>
+
+#include <thrust/device_vector.h>
+#include <thrust/host_vector.h>
+
+#include <catch2/catch.hpp>
+#include "device/nccl_ranks.hpp"
+#include "support/skip.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ddp_sharded_device_tests {
+
+using ddp::test::check_nccl_ranks;
+using ddp::test::devices_or_skip;
+using ddp::test::nccl_group;
+using device_tensor = thrust::device_vector<float>;
+using model = std::vector<std::pair<device_tensor, device_tensor>>;  // (value, grad) per parameter
+
+constexpr int steps = 20;
+// Odd sizes, so that a world of two pads its buckets; with the caps below, several buckets.
+const std::vector<std::size_t> parameter_sizes = {1001, 37, 3001, 5, 2};
+const ddp::sharded_options layout_options{.bucket_cap_bytes = 8192, .first_bucket_bytes = 4096};
+
+float initial_value(int rank, std::size_t k, std::size_t i) {
+  return static_cast<float>(std::sin(0.37 * static_cast<double>(i) + 1.3 * static_cast<double>(k) + 100.0 * rank));
+}
+float gradient(int rank, int step, int micro, std::size_t k, std::size_t i) {
+  const double x = 0.71 * static_cast<double>(i) + 2.9 * static_cast<double>(k) + 0.13 * step + 1.7 * micro + 5.3 * rank;
+  return static_cast<float>(std::cos(x) * (1.0 + 0.1 * rank));
+}
+
+model make_model(int rank) {
+  model m;
+  for (std::size_t k = 0; k < parameter_sizes.size(); ++k) {
+    thrust::host_vector<float> values(parameter_sizes[k]);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = initial_value(rank, k, i);
+    m.emplace_back(device_tensor(values), device_tensor(parameter_sizes[k], 0.0f));
+  }
+  return m;
+}
+
+std::size_t total_numel() {
+  std::size_t n = 0;
+  for (std::size_t s : parameter_sizes) n += s;
+  return n;
+}
+
+// The gradient the wrapper documents, over all parameters (flat, in parameter order), for a step
+// of `micro` micro-steps over `world` ranks:
+//   stage 1: ((sum_r (sum_m g_rm)) / W) / k     the model accumulates sum_m; reduce_scatter(avg)
+//   stage 2: ((sum_m (sum_r g_rm)) / W) / k
+// each "/" one rounded division in float, "/ W" only when W > 1, "/ k" only when k > 1.
+std::vector<float> reference_gradient(int stage, int world, int step, int micro) {
+  std::vector<float> out(total_numel(), 0.0f);
+  std::size_t offset = 0;
+  for (std::size_t k = 0; k < parameter_sizes.size(); ++k) {
+    for (std::size_t i = 0; i < parameter_sizes[k]; ++i) {
+      float g = 0.0f;
+      if (stage == 1) {
+        for (int r = 0; r < world; ++r) {
+          float accumulated = 0.0f;
+          for (int m = 0; m < micro; ++m) accumulated += gradient(r, step, m, k, i);
+          g = r == 0 ? accumulated : g + accumulated;
+        }
+        if (world > 1) g = g / static_cast<float>(world);
+      } else {
+        for (int m = 0; m < micro; ++m) {
+          float over_ranks = 0.0f;
+          for (int r = 0; r < world; ++r) over_ranks = r == 0 ? gradient(r, step, m, k, i) : over_ranks + gradient(r, step, m, k, i);
+          g = m == 0 ? over_ranks : g + over_ranks;
+        }
+        if (world > 1) g = g / static_cast<float>(world);
+      }
+      if (micro > 1) g = g / static_cast<float>(micro);
+      out[offset + i] = g;
+    }
+    offset += parameter_sizes[k];
+  }
+  return out;
+}
+
+std::uint32_t bits(float x) {
+  std::uint32_t b = 0;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+// Trains `steps` steps (1 or 2 micro-steps each, alternating) on device parameters through the
+// sharded wrapper, and the same steps on the host, comparing the parameters after every step.
+template <class DeviceOptimizer, class HostOptimizer, class Options>
+void train_and_compare(int world, int stage, const Options& optimizer_options) {
+  check_nccl_ranks(world, [&](nccl_group& g) {
+    const int me = g.rank();
+    model m = make_model(me);
+    DeviceOptimizer device_optimizer(optimizer_options);
+    ddp::sharded_options options = layout_options;
+    options.stage = stage;
+    ddp::sharded_data_parallel net{m, g, device_optimizer, options};
+    const auto stats = net.stats();
+    if (stats.buckets < 3) throw std::runtime_error("expected several buckets, got " + std::to_string(stats.buckets));
+    if (world > 1 && stats.padded_numel == stats.numel) throw std::runtime_error("expected padded buckets");
+    if (!ddp::detail::device_addressable(net.shard_parameters().data()) || !ddp::detail::device_addressable(net.shard_gradients().data()))
+      throw std::runtime_error("the shard buffers are not in device memory");
+
+    std::vector<float> reference;  // rank 0's initial values (broadcast), flat
+    for (std::size_t k = 0; k < parameter_sizes.size(); ++k)
+      for (std::size_t i = 0; i < parameter_sizes[k]; ++i) reference.push_back(initial_value(0, k, i));
+    HostOptimizer host_optimizer(optimizer_options);
+
+    for (int step = 0; step < steps; ++step) {
+      const int micro = 1 + step % 2;
+      std::vector<thrust::host_vector<float>> model_grads(parameter_sizes.size());
+      for (std::size_t k = 0; k < parameter_sizes.size(); ++k) model_grads[k].assign(parameter_sizes[k], 0.0f);  // zero_grad
+      for (int mi = 0; mi < micro; ++mi) {
+        auto guard = mi + 1 < micro ? std::optional(net.no_sync()) : std::nullopt;
+        for (std::size_t k = parameter_sizes.size(); k-- > 0;) {  // backward: last parameter first
+          auto& grad = model_grads[k];
+          // Stage 1 accumulates in the model's gradients; stage 2 zeroed them when it took them.
+          for (std::size_t i = 0; i < grad.size(); ++i)
+            grad[i] = stage == 1 ? grad[i] + gradient(me, step, mi, k, i) : gradient(me, step, mi, k, i);
+          m[k].second = grad;
+          net.mark_ready(k);
+        }
+        net.finish();
+      }
+      net.step();
+
+      const std::vector<float> grad = reference_gradient(stage, world, step, micro);
+      host_optimizer.step(std::span<float>(reference), std::span<const float>(grad));
+      std::size_t offset = 0;
+      for (std::size_t k = 0; k < parameter_sizes.size(); ++k) {
+        const thrust::host_vector<float> got = m[k].first;
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          if (bits(got[i]) != bits(reference[offset + i]))
+            throw std::runtime_error("step " + std::to_string(step) + ", parameter " + std::to_string(k) + ", element " + std::to_string(i) +
+                                     ": " + std::to_string(got[i]) + " on the device, " + std::to_string(reference[offset + i]) +
+                                     " on the host");
+        }
+        offset += got.size();
+      }
+    }
+    if (net.stats().steps != steps) throw std::runtime_error("stats().steps is " + std::to_string(net.stats().steps));
+  });
+}
+
+template <class DeviceOptimizer, class HostOptimizer, class Options>
+void every_world_and_stage(const Options& optimizer_options) {
+  const int devices = devices_or_skip();
+  for (int stage : {1, 2}) {
+    DYNAMIC_SECTION("W = 1, stage " << stage) { train_and_compare<DeviceOptimizer, HostOptimizer>(1, stage, optimizer_options); }
+    DYNAMIC_SECTION("W = 2, stage " << stage) {
+      if (devices < 2) {
+        WARN("SKIPPED: W = 2 needs 2 CUDA devices, " << devices << " visible");
+      } else {
+        train_and_compare<DeviceOptimizer, HostOptimizer>(2, stage, optimizer_options);
+      }
+    }
+  }
+}
+
+TEST_CASE("sharded_data_parallel on device memory, SGD with momentum: parameters bit for bit with the host arithmetic") {
+  every_world_and_stage<ddp::optim::cuda::sgd<float>, ddp::optim::sgd<float>>(
+      ddp::optim::sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3});
+}
+
+TEST_CASE("sharded_data_parallel on device memory, AdamW: parameters bit for bit with the host arithmetic") {
+  every_world_and_stage<ddp::optim::cuda::adamw<float>, ddp::optim::adamw<float>>(ddp::optim::adamw_options{.lr = 1e-2, .weight_decay = 1e-2});
+}
+
+TEST_CASE("sharded_data_parallel on device memory: host and device parameters together are refused") {
+  devices_or_skip();
+  check_nccl_ranks(1, [](nccl_group& g) {
+    device_tensor value(10, 1.0f), grad(10, 0.0f);
+    std::vector<float> host_value(10, 1.0f), host_grad(10, 0.0f);
+    std::vector<ddp::parameter_ref> params{ddp::make_parameter(value, grad), ddp::make_parameter(host_value, host_grad)};
+    ddp::optim::cuda::sgd<float> optimizer({.lr = 0.1});
+    try {
+      ddp::sharded_data_parallel net{params, g, optimizer};
+    } catch (const ddp::error& e) {
+      if (e.code() != ddp::errc::invalid_argument || std::string(e.what()).find("one memory space") == std::string::npos)
+        throw std::runtime_error(std::string("unexpected error: ") + e.what());
+      return;
+    }
+    throw std::runtime_error("mixed host and device parameters were accepted");
+  });
+}
+
+}  // namespace ddp_sharded_device_tests
