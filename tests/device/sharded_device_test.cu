@@ -40,9 +40,9 @@ using device_tensor = thrust::device_vector<float>;
 using model = std::vector<std::pair<device_tensor, device_tensor>>;  // (value, grad) per parameter
 
 constexpr int steps = 20;
-// Odd sizes, so that a world of two pads its buckets; with the caps below, several buckets.
-const std::vector<std::size_t> parameter_sizes = {1001, 37, 3001, 5, 2};
-const ddp::sharded_options layout_options{.bucket_cap_bytes = 8192, .first_bucket_bytes = 4096};
+// With the caps below, three buckets of 794, 3009 and 1039 elements: a world of two pads two of them.
+const std::vector<std::size_t> parameter_sizes = {1001, 38, 3001, 6, 2, 777, 13, 4};
+const ddp::sharded_options layout_options{.bucket_cap_bytes = 4096, .first_bucket_bytes = 1024};
 
 float initial_value(int rank, std::size_t k, std::size_t i) {
   return static_cast<float>(std::sin(0.37 * static_cast<double>(i) + 1.3 * static_cast<double>(k) + 100.0 * rank));
