@@ -102,6 +102,16 @@
 
 namespace ddp {
 
+/// Starts this node's workers running argv and supervises them until every one has ended.
+/// See the top of this header for the variables, signals and exit code.
+launch_result spawn(const launch_options& options, const std::vector<std::string>& argv);
+
+/// spawn() with one store token for the whole job and up to max_restarts restarts of the
+/// whole worker group after a failure (not after a signal to the launcher).
+launch_result launch(const launch_options& options, const std::vector<std::string>& argv);
+
+// Compiled once with the compiled library (ddp/core/compiled.hpp).
+#if !DDP_DECLARATIONS_ONLY
 namespace detail {
 /// The store token of a job (see "Tokens" above): the option, else DDP_STORE_TOKEN, else a fresh
 /// random one on a single node; empty on several nodes without one (the store then accepts any
@@ -113,16 +123,6 @@ inline std::string job_store_token(const launch_options& options) {
 }
 }  // namespace detail
 
-/// Starts this node's workers running argv and supervises them until every one has ended.
-/// See the top of this header for the variables, signals and exit code.
-launch_result spawn(const launch_options& options, const std::vector<std::string>& argv);
-
-/// spawn() with one store token for the whole job and up to max_restarts restarts of the
-/// whole worker group after a failure (not after a signal to the launcher).
-launch_result launch(const launch_options& options, const std::vector<std::string>& argv);
-
-// Compiled once with the compiled library (ddp/core/compiled.hpp).
-#if !DDP_DECLARATIONS_ONLY
 DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std::vector<std::string>& argv) {
   validate(options);
   if (argv.empty()) throw error(errc::config, "no program given (usage: ddprun [options] program [args...])");
