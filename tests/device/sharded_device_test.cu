@@ -5,8 +5,8 @@
 // the full parameters, bit for bit. Ranks are threads, one device each: a world of one on one GPU,
 // and of two where two are visible. Gradients are pseudo-random floats, so the sums and divisions
 // round; a sum of two floats rounds the same in either order, so NCCL's reduction of two ranks
-// gives the host's bits (its average scales by 1/2 exactly). Without a GPU every case says
-// SKIPPED and why.
+// gives the host's bits (its average scales by 1/2 exactly). Without a GPU the cases that need
+// one say SKIPPED and why; the construction checks run anyway.
 #include <ddp/adapters/thrust.hpp>
 #include <ddp/data_parallel.hpp>
 #include <ddp/data_parallel/sharded_cuda.hpp>
@@ -25,7 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -134,8 +134,7 @@ void train_and_compare(int world, int stage, const Options& optimizer_options) {
       const int micro = 1 + step % 2;
       std::vector<thrust::host_vector<float>> model_grads(parameter_sizes.size());
       for (std::size_t k = 0; k < parameter_sizes.size(); ++k) model_grads[k].assign(parameter_sizes[k], 0.0f);  // zero_grad
-      for (int mi = 0; mi < micro; ++mi) {
-        auto guard = mi + 1 < micro ? std::optional(net.no_sync()) : std::nullopt;
+      auto micro_step = [&](int mi) {
         for (std::size_t k = parameter_sizes.size(); k-- > 0;) {  // backward: last parameter first
           auto& grad = model_grads[k];
           // Stage 1 accumulates in the model's gradients; stage 2 zeroed them when it took them.
@@ -145,7 +144,12 @@ void train_and_compare(int world, int stage, const Options& optimizer_options) {
           net.mark_ready(k);
         }
         net.finish();
+      };
+      for (int mi = 0; mi + 1 < micro; ++mi) {
+        const auto guard = net.no_sync();
+        micro_step(mi);
       }
+      micro_step(micro - 1);
       net.step();
 
       const std::vector<float> grad = reference_gradient(stage, world, step, micro);
@@ -179,6 +183,64 @@ void every_world_and_stage(const Options& optimizer_options) {
       }
     }
   }
+}
+
+// A world of one with a device group's members but no device: construction refuses the
+// parameters before any collective, so none is ever called.
+struct allocating_group {
+  struct done {
+    void wait() {}
+  };
+  int rank() const { return 0; }
+  int size() const { return 1; }
+  template <class T>
+  void broadcast(std::span<T>, int) {}
+  template <class T>
+  void all_gather(std::span<const T>, std::span<T>) {}
+  template <class T, class Op>
+  done all_reduce_async(std::span<T>, Op) { return {}; }
+  template <class T, class Op>
+  done reduce_scatter_async(std::span<const T>, std::span<T>, Op) { return {}; }
+  template <class T>
+  done all_gather_async(std::span<const T>, std::span<T>) { return {}; }
+  void copy_memory(void*, const void*, std::size_t) {}
+  template <class T>
+  std::vector<T> allocate(std::size_t n) { return std::vector<T>(n); }
+};
+
+// One parameter marked as device memory (its bytes are host memory: construction refuses it
+// before reading them).
+std::vector<ddp::parameter_ref> marked_device_parameter(std::vector<float>& value, std::vector<float>& grad) {
+  ddp::parameter_ref p;
+  p.name = "w";
+  p.shape = {static_cast<std::int64_t>(value.size())};
+  p.memory = ddp::memory_space::device;
+  p.value = std::as_writable_bytes(std::span<float>(value));
+  p.grad = std::as_writable_bytes(std::span<float>(grad));
+  return {p};
+}
+
+template <class Group>
+std::string construction_error(Group& group, std::vector<ddp::parameter_ref>& params, ddp::errc want) {
+  ddp::optim::sgd<float> optimizer({.lr = 0.1});
+  try {
+    ddp::sharded_data_parallel net{params, group, optimizer};
+  } catch (const ddp::error& e) {
+    if (e.code() != want) throw std::runtime_error(std::string("unexpected error code: ") + e.what());
+    return e.what();
+  }
+  throw std::runtime_error("device parameters were accepted");
+}
+
+TEST_CASE("sharded_data_parallel on device memory: without sharded_cuda.hpp's kernels, construction says to include it (no device needed)") {
+  std::vector<float> value(10, 1.0f), grad(10, 0.0f);
+  auto params = marked_device_parameter(value, grad);
+  struct uninstalled {
+    const ddp::detail::sharded_device_ops* saved = std::exchange(ddp::detail::sharded_device, nullptr);
+    ~uninstalled() { ddp::detail::sharded_device = saved; }
+  } scope;
+  allocating_group g;
+  CHECK_THAT(construction_error(g, params, ddp::errc::unavailable), Catch::Contains("include <ddp/data_parallel/sharded_cuda.hpp>"));
 }
 
 TEST_CASE("sharded_data_parallel on device memory, SGD with momentum: parameters bit for bit with the host arithmetic") {
