@@ -38,16 +38,18 @@ namespace ddp {
 
 namespace detail {
 
-/// The work of a compressed all-reduce: when the inner one is done, widen into the bucket (once).
-template <class Half, class T, class Work>
-class decompress_work {
+/// The work of an all-reduce through a scratch buffer of another element type: when the inner one
+/// is done, converts the scratch into the bucket (once) through float (widening after a compressed
+/// all-reduce, rounding to nearest even after a widened one).
+template <class From, class To, class Work>
+class convert_on_completion_work {
  public:
-  decompress_work(Work inner, std::span<const Half> half, std::span<T> out)
-      : state_(std::make_shared<state>(state{std::move(inner), half, out, false})) {}
+  convert_on_completion_work(Work inner, std::span<const From> scratch, std::span<To> out)
+      : state_(std::make_shared<state>(state{std::move(inner), scratch, out, false})) {}
 
   void wait() {
     state_->inner.wait();
-    widen();
+    convert();
   }
   bool wait(deadline d) {
     if constexpr (deadline_waitable<Work>) {
@@ -55,7 +57,7 @@ class decompress_work {
     } else {
       state_->inner.wait();
     }
-    widen();
+    convert();
     return true;
   }
   bool is_completed() const {
@@ -69,36 +71,48 @@ class decompress_work {
  private:
   struct state {
     Work inner;
-    std::span<const Half> half;
-    std::span<T> out;
+    std::span<const From> scratch;
+    std::span<To> out;
     bool done;
   };
-  void widen() {
+  void convert() {
     if (state_->done) return;
-    for (std::size_t i = 0; i < state_->out.size(); ++i) state_->out[i] = static_cast<T>(static_cast<float>(state_->half[i]));
+    for (std::size_t i = 0; i < state_->out.size(); ++i) state_->out[i] = static_cast<To>(static_cast<float>(state_->scratch[i]));
     state_->done = true;
   }
   std::shared_ptr<state> state_;
 };
 
+/// The hooks convert on the host: a device bucket is refused, naming the hook and what it does.
+template <collective_group G>
+void require_host_bucket(const bucket_view& b, G& group, const char* hook) {
+  if (group_memory(group) != memory_space::host) {
+    // The conversion loops run on the host; a device bucket would need a kernel.
+    throw error(errc::unavailable,
+                std::string(hook) + " on the host, but bucket " + std::to_string(b.index) +
+                    " is in device memory: with a device backend (nccl) keep the default averaging or write a hook that "
+                    "converts on the device",
+                {.rank = static_cast<int>(group.rank()), .op = "distributed_data_parallel"});
+  }
+}
+
+/// The buckets a hook leaves alone: the average, as without a hook.
+template <collective_group G>
+any_work plain_average(const bucket_view& b, G& group) {
+  return visit_dtype(b.type, [&](auto tag) -> any_work {
+    using T = typename decltype(tag)::type;
+    return any_work(group.all_reduce_async(b.as<T>(), avg{}));
+  });
+}
+
 template <class Half>
 struct compress_hook {
   template <collective_group G>
   any_work operator()(const bucket_view& b, G& group) const {
-    if (group_memory(group) != memory_space::host) {
-      // The rounding loops run on the host; a device bucket would need a kernel.
-      throw error(errc::unavailable,
-                  "fp16_compress / bf16_compress round on the host, but bucket " + std::to_string(b.index) +
-                      " is in device memory: with a device backend (nccl) keep the default averaging or write a hook that "
-                      "converts on the device",
-                  {.rank = static_cast<int>(group.rank()), .op = "distributed_data_parallel"});
-    }
+    require_host_bucket(b, group, "fp16_compress / bf16_compress round");
     if (b.type == dtype::float32) return compressed<float>(b, group);
     if (b.type == dtype::float64) return compressed<double>(b, group);
-    return visit_dtype(b.type, [&](auto tag) -> any_work {
-      using T = typename decltype(tag)::type;
-      return any_work(group.all_reduce_async(b.as<T>(), avg{}));
-    });
+    return plain_average(b, group);
   }
 
  private:
@@ -110,69 +124,17 @@ struct compress_hook {
     const T scale = static_cast<T>(1) / static_cast<T>(b.world_size);
     for (std::size_t i = 0; i < grads.size(); ++i) half[i] = Half(static_cast<float>(grads[i] * scale));
     auto inner = group.all_reduce_async(half, sum{});
-    return any_work(decompress_work<Half, T, decltype(inner)>(std::move(inner), half, grads));
+    return any_work(convert_on_completion_work<Half, T, decltype(inner)>(std::move(inner), half, grads));
   }
-};
-
-/// The work of a widened all-reduce: when the inner one is done, round into the bucket (once).
-template <class Half, class Work>
-class narrow_work {
- public:
-  narrow_work(Work inner, std::span<const float> wide, std::span<Half> out)
-      : state_(std::make_shared<state>(state{std::move(inner), wide, out, false})) {}
-
-  void wait() {
-    state_->inner.wait();
-    narrow();
-  }
-  bool wait(deadline d) {
-    if constexpr (deadline_waitable<Work>) {
-      if (!state_->inner.wait(d)) return false;
-    } else {
-      state_->inner.wait();
-    }
-    narrow();
-    return true;
-  }
-  bool is_completed() const {
-    if constexpr (completion_queryable<Work>) {
-      return state_->done || state_->inner.is_completed();
-    } else {
-      return state_->done;
-    }
-  }
-
- private:
-  struct state {
-    Work inner;
-    std::span<const float> wide;
-    std::span<Half> out;
-    bool done;
-  };
-  void narrow() {
-    if (state_->done) return;
-    for (std::size_t i = 0; i < state_->out.size(); ++i) state_->out[i] = Half(state_->wide[i]);
-    state_->done = true;
-  }
-  std::shared_ptr<state> state_;
 };
 
 struct float32_reduce_hook {
   template <collective_group G>
   any_work operator()(const bucket_view& b, G& group) const {
-    if (group_memory(group) != memory_space::host) {
-      throw error(errc::unavailable,
-                  "reduce_in_float32 widens on the host, but bucket " + std::to_string(b.index) +
-                      " is in device memory: with a device backend (nccl) keep the default averaging or write a hook that "
-                      "converts on the device",
-                  {.rank = static_cast<int>(group.rank()), .op = "distributed_data_parallel"});
-    }
+    require_host_bucket(b, group, "reduce_in_float32 widens");
     if (b.type == dtype::float16) return widened<float16>(b, group);
     if (b.type == dtype::bfloat16) return widened<bfloat16>(b, group);
-    return visit_dtype(b.type, [&](auto tag) -> any_work {
-      using T = typename decltype(tag)::type;
-      return any_work(group.all_reduce_async(b.as<T>(), avg{}));
-    });
+    return plain_average(b, group);
   }
 
  private:
@@ -183,7 +145,7 @@ struct float32_reduce_hook {
     const std::span<float> wide(reinterpret_cast<float*>(bytes.data()), grads.size());
     for (std::size_t i = 0; i < grads.size(); ++i) wide[i] = static_cast<float>(grads[i]);
     auto inner = group.all_reduce_async(wide, avg{});
-    return any_work(narrow_work<Half, decltype(inner)>(std::move(inner), wide, grads));
+    return any_work(convert_on_completion_work<float, Half, decltype(inner)>(std::move(inner), wide, grads));
   }
 };
 
