@@ -33,6 +33,7 @@
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
 #include "support/multiprocess.hpp"
+#include "support/ring_ranks.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -57,54 +58,13 @@ using kind = ddp::ring_options::transport_kind;
 
 namespace {
 
-// --- groups (as in sharded_data_parallel_test) -------------------------------------------------
+// --- groups (tests/support/ring_ranks.hpp) ----------------------------------------------------
 
-struct store_file {
-  explicit store_file(const std::string& name)
-      : path(std::string(DDP_TEST_BINARY_DIR) + "/mixed_precision_" + name + "_" + std::to_string(::getpid()) + ".store") {
-    std::remove(path.c_str());
-  }
-  ~store_file() { std::remove(path.c_str()); }
-  std::string path;
-};
-
-using group_type = ddp::process_group<ddp::ring_backend>;
-
-group_type make_group(const std::string& path, int rank, int p, kind transport) {
-  auto store = std::make_shared<ddp::store::file_store>(path);
-  ddp::ring_options o;
-  o.transport = transport;
-  o.timeout = 60s;
-  return group_type(ddp::ring_backend(store, rank, p, o), {.timeout = 60s});
-}
-
-// Nobody exits before every rank's last collective is done.
-void leave_together(const std::string& path, int rank, int p) {
-  ddp::store::file_store store(path);
-  store.set_string("left/" + std::to_string(rank), "1");
-  std::vector<std::string> keys;
-  for (int r = 0; r < p; ++r) keys.push_back("left/" + std::to_string(r));
-  store.wait(keys, 60s);
-}
-
-const char* name_of(kind t) { return t == kind::shm ? "shm" : "tcp"; }
+using group_type = ddp::test::ring_group;
 
 template <class Fn>
 void on_ranks(int p, kind transport, const std::string& name, Fn fn) {
-  store_file sf(name + "_" + name_of(transport) + std::to_string(p));
-  const auto result = ddp::test::run_ranks(
-      p,
-      [&](int rank) {
-        auto group = make_group(sf.path, rank, p, transport);
-        check(group.backend().on_shared_memory() == (transport == kind::shm), "transport chosen as asked");
-        fn(rank, group);
-        leave_together(sf.path, rank, p);
-      },
-      300s);
-  for (const auto& r : result.ranks)
-    if (!r.output.empty()) std::printf("%s %s W=%d rank %d:\n%s", name.c_str(), name_of(transport), p, r.rank, r.output.c_str());
-  INFO(name << " over " << name_of(transport) << " with W = " << p << "\n" << result.describe());
-  CHECK(result.ok());
+  ddp::test::on_ring_ranks("mixed_precision", p, transport, name, std::move(fn));
 }
 
 // --- the golden data ---------------------------------------------------------------------------

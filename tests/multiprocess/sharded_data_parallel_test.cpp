@@ -41,6 +41,7 @@
 #include "ddp/data_parallel.hpp"
 #include "ddp/parameters.hpp"
 #include "support/multiprocess.hpp"
+#include "support/ring_ranks.hpp"
 
 namespace ddp_test_sharded {
 
@@ -178,58 +179,12 @@ void backward(model& m, int rank, std::size_t micro, bool grid, Ready&& ready) {
   }
 }
 
-// --- groups -------------------------------------------------------------------------------
-
-struct store_file {
-  explicit store_file(const std::string& name)
-      : path(std::string(DDP_TEST_BINARY_DIR) + "/sharded_dp_" + name + "_" + std::to_string(::getpid()) + ".store") {
-    std::remove(path.c_str());
-  }
-  ~store_file() { std::remove(path.c_str()); }
-  std::string path;
-};
-
-ddp::process_group<ddp::ring_backend> make_group(const std::string& path, int rank, int p, kind transport) {
-  auto store = std::make_shared<ddp::store::file_store>(path);
-  ddp::ring_options o;
-  o.transport = transport;
-  o.timeout = 60s;
-  return ddp::process_group<ddp::ring_backend>(ddp::ring_backend(store, rank, p, o), {.timeout = 60s});
-}
-
-// As in data_parallel_mp_test: nobody exits before every rank's last collective is done.
-void leave_together(const std::string& path, int rank, int p) {
-  ddp::store::file_store store(path);
-  store.set_string("left/" + std::to_string(rank), "1");
-  std::vector<std::string> keys;
-  for (int r = 0; r < p; ++r) keys.push_back("left/" + std::to_string(r));
-  store.wait(keys, 60s);
-}
-
-const char* name_of(kind t) { return t == kind::shm ? "shm" : "tcp"; }
+// --- groups (tests/support/ring_ranks.hpp) ----------------------------------------------------
 
 /// Runs fn(rank, group) on p forked ranks over `transport`; fails the test case unless all pass.
 template <class Fn>
 void on_ranks(int p, kind transport, const std::string& name, Fn fn, bool type_erased = false) {
-  store_file sf(name + "_" + name_of(transport) + std::to_string(p));
-  const auto result = ddp::test::run_ranks(
-      p,
-      [&](int rank) {
-        auto group = make_group(sf.path, rank, p, transport);
-        check(group.backend().on_shared_memory() == (transport == kind::shm), "transport chosen as asked");
-        if (type_erased) {
-          ddp::group erased(std::move(group));
-          fn(rank, erased);
-        } else {
-          fn(rank, group);
-        }
-        leave_together(sf.path, rank, p);
-      },
-      300s);
-  for (const auto& r : result.ranks)
-    if (!r.output.empty()) std::printf("%s %s W=%d rank %d:\n%s", name.c_str(), name_of(transport), p, r.rank, r.output.c_str());
-  INFO(result.describe());
-  CHECK(result.ok());
+  ddp::test::on_ring_ranks("sharded_dp", p, transport, name, std::move(fn), type_erased);
 }
 
 // --- training, sharded and reference --------------------------------------------------------
