@@ -92,14 +92,6 @@ struct options {
   std::exit(2);
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 int to_int(const std::string& flag, const std::string& v) {
   const auto x = ddp::bench::parse_int(v, 0, 1'000'000'000);
   if (!x) usage(flag + " " + v + ": expected a non-negative integer");
@@ -115,8 +107,8 @@ options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--np") o.np = to_int(a, value());
-    else if (a == "--transports") o.transports = split(value());
-    else if (a == "--models") o.models = split(value());
+    else if (a == "--transports") o.transports = ddp::bench::split_commas(value());
+    else if (a == "--models") o.models = ddp::bench::split_commas(value());
     else if (a == "--steps") o.steps = to_int(a, value());
     else if (a == "--warmup") o.warmup = to_int(a, value());
     else if (a == "--repeat") o.repeat = to_int(a, value());
@@ -126,7 +118,7 @@ options parse(int argc, char** argv) {
     else if (a == "--report") o.report = value();
     else if (a == "--csv") o.csv = value();
     else if (a == "--wide") {
-      const auto parts = split(value());
+      const auto parts = ddp::bench::split_commas(value());
       if (parts.size() != 4) usage("--wide expects IN,HIDDEN,OUT,BATCH");
       o.wide.in = to_int(a, parts[0]);
       o.wide.hidden = to_int(a, parts[1]);

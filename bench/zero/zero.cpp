@@ -112,14 +112,6 @@ const std::vector<std::string> all_modes{"ddp", "zero1", "zero2"};
   std::exit(2);
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 int to_int(const std::string& flag, const std::string& v) {
   const auto x = ddp::bench::parse_int(v, 0, 1'000'000'000);
   if (!x) usage(flag + " " + v + ": expected a non-negative integer");
@@ -136,10 +128,10 @@ options parse(int argc, char** argv) {
     };
     if (a == "--worlds") {
       o.worlds.clear();
-      for (const auto& w : split(value())) o.worlds.push_back(to_int(a, w));
-    } else if (a == "--optimizers") o.optimizers = split(value());
+      for (const auto& w : ddp::bench::split_commas(value())) o.worlds.push_back(to_int(a, w));
+    } else if (a == "--optimizers") o.optimizers = ddp::bench::split_commas(value());
     else if (a == "--model") {
-      const auto parts = split(value());
+      const auto parts = ddp::bench::split_commas(value());
       if (parts.size() != 4) usage("--model expects IN,HIDDEN,LAYERS,OUT");
       o.shape = {to_int(a, parts[0]), to_int(a, parts[1]), to_int(a, parts[2]), to_int(a, parts[3])};
     } else if (a == "--steps") o.steps = to_int(a, value());
