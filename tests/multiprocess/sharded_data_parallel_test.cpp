@@ -42,6 +42,7 @@
 #include "ddp/parameters.hpp"
 #include "support/multiprocess.hpp"
 #include "support/ring_ranks.hpp"
+#include "support/sizes.hpp"
 
 namespace ddp_test_sharded {
 
@@ -191,12 +192,16 @@ void on_ranks(int p, kind transport, const std::string& name, Fn fn, bool type_e
 
 enum class opt_kind { sgd, adamw };
 
+// 100 steps in the Release suite; under a sanitizer 20 run every code path (each bucket, shard
+// and optimizer state) a fifth as often, and the Release run checks the full length.
+constexpr int default_steps = ddp::test::sanitized_build ? 20 : 100;
+
 struct run_config {
   int stage = 1;
   opt_kind opt = opt_kind::sgd;
   std::vector<std::size_t> dims = {10, 32, 2};
   bool mlp = true;
-  int steps = 100;
+  int steps = default_steps;
   int accumulate = 1;  // micro-steps per step: no_sync for all but the last
   bool grid = true;
   ddp::sharded_options options{.bucket_cap_bytes = 1024, .first_bucket_bytes = 64};
@@ -308,7 +313,7 @@ std::vector<run_config> bitwise_configs() {
     for (opt_kind opt : {opt_kind::sgd, opt_kind::adamw}) {
       run_config small{.stage = stage, .opt = opt};
       out.push_back(small);
-      run_config deep{.stage = stage, .opt = opt, .dims = {10, 64, 64, 64, 2}, .steps = 100,
+      run_config deep{.stage = stage, .opt = opt, .dims = {10, 64, 64, 64, 2}, .steps = default_steps,
                       .options = {.bucket_cap_bytes = 8192, .first_bucket_bytes = 64, .bucket_buffers = stage == 1 ? 0u : 2u}};
       out.push_back(deep);
       run_config accumulated{.stage = stage, .opt = opt, .accumulate = 4};
