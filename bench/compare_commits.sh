@@ -13,7 +13,7 @@ reps=${REPS:-5}
 configs=${CONFIGS:-"2:shm:group 2:shm:user 2:tcp:user 4:shm:user 4:tcp:user"}
 max_bytes=${MAX_BYTES:-16777216}
 min_bytes=${MIN_BYTES:-64}
-work=$root/build/compare
+work=${WORK:-$root/build/compare}  # WORK: another directory, for two comparisons at once
 mkdir -p "$work"
 
 "$root/tools/install-deps.sh"
