@@ -2,7 +2,7 @@
 # Installs, with apt-get, what building and testing ddp needs and this machine lacks.
 # Debian bookworm or later, as root (or with sudo). Safe to run again: installs only what is missing.
 set -euo pipefail
-packages=(cmake make g++ clang catch2 nlohmann-json3-dev libeigen3-dev libthrust-dev libcli11-dev
+packages=(cmake make ninja-build g++ clang catch2 nlohmann-json3-dev libeigen3-dev libthrust-dev libcli11-dev
           libopenmpi-dev openmpi-bin iproute2 procps)
 missing=()
 for p in "${packages[@]}"; do
