@@ -21,10 +21,19 @@ torch.optim.SGD / AdamW with foreach=False, torch.nn.utils.clip_grad_norm_ over 
 parameters before each step, and --zero 1 wraps the optimizer in
 torch.distributed.optim.ZeroRedundancyOptimizer (each rank steps its share of the parameters, then
 broadcasts them).
+
+--precision bf16|fp16 is train_ddp's mixed precision, written out in torch: the model holds its
+parameters rounded to bfloat16 / float16 (in float32 tensors, so the forward and backward compute
+in float32 on exactly those values), each rank's gradients are rounded to the same type before a
+DDP comm hook averages them in float32, and the optimizer steps a float32 master copy, which the
+model gets back rounded to nearest even after each step. fp16 scales the loss with
+torch.amp.GradScaler (its defaults; --loss-scale sets init_scale), which unscales the master gradients, skips the steps whose
+gradients overflowed and backs off; bf16 has no scaler.
 """
 import argparse
 import csv
 import json
+import math
 import os
 import resource
 import struct
@@ -66,6 +75,8 @@ def parse(argv=None):
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--zero", type=int, choices=[0, 1], default=0)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--loss-scale", type=float, default=65536.0)  # fp16: GradScaler's init_scale
     p.add_argument("--report", default="")
     a = p.parse_args(argv)
     for key, value in DEFAULTS[a.dataset].items():
@@ -73,6 +84,8 @@ def parse(argv=None):
             setattr(a, key, value)
     if a.dataset == "digits":
         a.features, a.classes = 64, 10
+    if a.precision != "fp32" and a.zero != 0:
+        p.error("--precision bf16/fp16 is written out for --zero 0 only")
     return a
 
 
@@ -120,7 +133,7 @@ def heldout_sums(model, x, y, rank, world):
     return [float((out.argmax(1) == y[rank::world]).sum().item()), float(out.shape[0]), loss]
 
 
-def make_optimizer(a, model):
+def make_optimizer(a, params):
     """--optimizer with its options (torch's defaults where not given), under
     ZeroRedundancyOptimizer with --zero 1."""
     kwargs = {"lr": a.lr, "foreach": False}
@@ -133,8 +146,17 @@ def make_optimizer(a, model):
         kwargs["weight_decay"] = a.weight_decay
     if a.zero == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
-    return cls(model.parameters(), **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    return cls(params, **kwargs)
+
+
+def round_then_average(low, world):
+    """A DDP comm hook: this rank's gradients as stored in `low`, averaged in float32."""
+    def hook(_state, bucket):
+        t = bucket.buffer()
+        t.copy_(t.to(low).float())
+        return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0].div_(world))
+    return hook
 
 
 def main():
@@ -144,15 +166,27 @@ def main():
     torch.set_num_threads(1)
     if a.init_seed is not None:
         torch.manual_seed(a.init_seed)  # identical initial weights on every rank
-    model = DDP(nn.Sequential(nn.Linear(a.features, a.hidden), nn.ReLU(), nn.Linear(a.hidden, a.classes)))
+    net = nn.Sequential(nn.Linear(a.features, a.hidden), nn.ReLU(), nn.Linear(a.hidden, a.classes))
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+    master = None
+    if low is not None:
+        with torch.no_grad():
+            for q in net.parameters():
+                q.copy_(q.to(low).float())
+        master = [nn.Parameter(q.detach().clone()) for q in net.parameters()]
+    model = DDP(net)
+    if low is not None:
+        model.register_comm_hook(None, round_then_average(low, world))
+    scaler = torch.amp.GradScaler("cpu", init_scale=a.loss_scale, enabled=a.precision == "fp16")
+    stepped = list(model.parameters()) if master is None else master
     x, y, hx, hy = make_data(a)
     ds = TensorDataset(x, y)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=a.sampler_seed)
     loader = DataLoader(ds, batch_size=a.batch_size, sampler=sampler)
-    opt = make_optimizer(a, model)
+    opt = make_optimizer(a, stepped)
     loss_fn = nn.CrossEntropyLoss()
     lr_at, peak_lr = lr_schedule(a, world, len(loader))
-    sums, steps, processed, step, eval_s, clipped = [], [], 0, 0, 0.0, 0
+    sums, steps, processed, step, eval_s, clipped, skipped = [], [], 0, 0, 0.0, 0, 0
     heldout_acc, heldout_loss = [], []
     dist.barrier()
     t0 = time.perf_counter()
@@ -164,11 +198,24 @@ def main():
                 group["lr"] = lr_at(step)
             step += 1
             opt.zero_grad()
+            model.zero_grad()
             loss = loss_fn(model(inputs), targets)
-            loss.backward()
-            if a.clip > 0:
-                clipped += int(nn.utils.clip_grad_norm_(model.parameters(), a.clip).item() > a.clip)
-            opt.step()
+            scaler.scale(loss).backward()
+            if master is not None:
+                for q, m in zip(net.parameters(), master):
+                    m.grad = q.grad.detach().clone()
+            scaler.unscale_(opt)
+            if a.clip > 0:  # an overflowed step's norm is inf or nan, and the step is skipped
+                norm = nn.utils.clip_grad_norm_(stepped, a.clip).item()
+                clipped += int(math.isfinite(norm) and norm > a.clip)
+            scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+            scaler.step(opt)
+            scaler.update()
+            skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
+            if master is not None:
+                with torch.no_grad():
+                    for q, m in zip(net.parameters(), master):
+                        q.copy_(m.to(low).float())
             total += loss.item()
             steps.append(loss.item())
             processed += len(targets)
@@ -207,7 +254,8 @@ def main():
             "hidden": a.hidden, "classes": a.classes, "lr": a.lr, "dataset": a.dataset,
             "lr_scaling": a.lr_scaling, "warmup_epochs": a.warmup_epochs, "global_batch": a.batch_size * world,
             "peak_lr": peak_lr, "optimizer": a.optimizer, "momentum": a.momentum, "clip": a.clip, "zero": a.zero,
-            "clipped_steps_rank0": clipped,
+            "clipped_steps_rank0": clipped, "precision": a.precision, "skipped_steps": skipped,
+            "final_loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
             "epoch_loss_sums_by_rank": all_sums, "step_losses_rank0": steps,
             "train_loop_seconds": loop, "throughput_samples_per_s": stats[3].item() / loop,
             "peak_rss_bytes_by_rank": [int(r.item()) for r in all_rss],

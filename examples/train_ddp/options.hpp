@@ -63,6 +63,9 @@ struct options {
   std::optional<double> weight_decay;  // none: the optimizer's torch default (sgd 0, adamw 0.01)
   double clip = 0;                     // > 0: clip_grad_norm_ to this global norm before each step
   int zero = 0;                        // 0: DDP; 1, 2: sharded_data_parallel (ZeRO stage 1 or 2)
+  // Parameters and gradients stored in bfloat16 / float16 over a float32 master (precision.hpp).
+  std::string precision = "fp32";  // fp32 | bf16 | fp16
+  double loss_scale = 65536.0;     // fp16: the grad scaler's initial scale (torch.amp.GradScaler's init_scale)
 };
 
 /// --dataset digits: the values that reach >= 0.9 held-out accuracy at every world size of the
@@ -147,6 +150,12 @@ inline options parse_options(int argc, char** argv) {
                  "0: DDP (every rank keeps the optimizer state); 1: ZeRO-1 (optimizer state sharded); 2: ZeRO-2 "
                  "(gradients sharded too)")
       ->check(CLI::Range(0, 2));
+  app.add_option("--precision", o.precision,
+                 "fp32, or bf16 / fp16: parameters and gradients stored in bfloat16 / float16, averaged in float32, a "
+                 "float32 master stepped (fp16 with a dynamic loss scale)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  auto* loss_scale = app.add_option("--loss-scale", o.loss_scale, "with --precision fp16: the initial loss scale (GradScaler's init_scale)")
+                         ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
     if (o.momentum > 0 && o.optimizer != "sgd") throw CLI::ValidationError("--momentum", "is an sgd option");
@@ -157,9 +166,16 @@ inline options parse_options(int argc, char** argv) {
     if (!o.checkpoint_dir.empty() && o.simulate_world > 0)
       throw CLI::ValidationError("--checkpoint-dir", "is not supported with --simulate-world");
     const bool plain_sgd = o.optimizer == "sgd" && o.momentum == 0 && (wd->count() == 0 || weight_decay == 0) &&
-                           o.clip == 0 && o.zero == 0;
+                           o.clip == 0 && o.zero == 0 && o.precision == "fp32";
     if (!plain_sgd && o.simulate_world > 0)
-      throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero", "are not supported with --simulate-world");
+      throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero/--precision",
+                                 "are not supported with --simulate-world");
+    if (loss_scale->count() > 0 && o.precision != "fp16") throw CLI::ValidationError("--loss-scale", "needs --precision fp16");
+    if (o.precision != "fp32" && !o.checkpoint_dir.empty())
+      throw CLI::ValidationError("--precision", "checkpoints do not yet hold the float32 master and the loss scale: "
+                                                "not with --checkpoint-dir");
+    if (o.precision != "fp32" && !o.scaling.empty())
+      throw CLI::ValidationError("--precision", "is not supported with --scaling");
     if (o.dataset == "digits") {
       // The data fixes these; a value given anyway would be silently wrong.
       for (const auto* fixed : {samples, features, classes})

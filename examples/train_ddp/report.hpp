@@ -63,6 +63,10 @@ struct report {
   double momentum = 0, weight_decay = 0, clip = 0;
   int zero = 0;
   std::vector<std::int64_t> optimizer_state_bytes_by_rank;
+  // --precision (precision.hpp): fp16's loss scale after the last step and the steps it skipped.
+  std::string precision = "fp32";
+  double final_loss_scale = 1.0;
+  std::int64_t skipped_steps = 0;
 };
 
 namespace detail {
@@ -115,6 +119,9 @@ inline std::string to_json(const report& r) {
   s += "  \"weight_decay\": " + num(r.weight_decay) + ",\n";
   s += "  \"clip\": " + num(r.clip) + ",\n";
   s += "  \"zero\": " + std::to_string(r.zero) + ",\n";
+  s += "  \"precision\": " + quoted(r.precision) + ",\n";
+  s += "  \"final_loss_scale\": " + num(r.final_loss_scale) + ",\n";
+  s += "  \"skipped_steps\": " + std::to_string(r.skipped_steps) + ",\n";
   if (!r.optimizer_state_bytes_by_rank.empty())
     s += "  \"optimizer_state_bytes_by_rank\": " + list(r.optimizer_state_bytes_by_rank, i64) + ",\n";
   s += "  \"printed_lines\": " + list(r.printed_lines, quoted) + ",\n";

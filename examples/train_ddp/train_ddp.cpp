@@ -35,9 +35,11 @@
 #include "ddp/parameters.hpp"
 #include "ddp/random.hpp"
 #include "ddp/sampler.hpp"
+#include "flat_params.hpp"
 #include "mlp.hpp"
 #include "optimizer.hpp"
 #include "options.hpp"
+#include "precision.hpp"
 #include "report.hpp"
 #include "scaling.hpp"
 
@@ -182,23 +184,6 @@ inline std::vector<float> initial_values(const options& o) {
   return v;
 }
 
-/// The parameters DDP synchronizes: spans over the model's flat buffers, reduced in place (CPU
-/// build; CUDA build with a device-memory backend such as nccl), or over host mirrors of the
-/// device buffers (CUDA build with a host-memory backend such as ring).
-struct flat_params {
-  std::span<float> values, grads;
-  const std::vector<tensor_slot>* slots = nullptr;
-  ddp::memory_space memory = ddp::memory_space::host;
-};
-
-inline std::vector<ddp::parameter_ref> parameters(flat_params& p) {
-  std::vector<ddp::parameter_ref> out;
-  for (const auto& s : *p.slots)
-    out.push_back(ddp::make_parameter(p.values.subspan(s.offset, s.numel), p.grads.subspan(s.offset, s.numel), s.shape,
-                                      s.name, p.memory));
-  return out;
-}
-
 struct device_memory_probe {
   std::int64_t peak = -1;
   void sample() {
@@ -246,6 +231,7 @@ inline report base_report(const options& o, const char* gemm_name, const job_dat
   r.weight_decay = o.weight_decay.value_or(o.optimizer == "adamw" ? ddp::optim::adamw_options{}.weight_decay : 0.0);
   r.clip = o.clip;
   r.zero = o.zero;
+  r.precision = o.precision;
   return r;
 }
 
@@ -297,7 +283,7 @@ template <class Model>
 ddp::checkpoint::state checkpoint_state(const options& o, const Model& model, resumable& r, report& rep) {
   namespace ck = ddp::checkpoint;
   ck::state st;
-  flat_params host{r.values, r.grads, &model.slots(), ddp::memory_space::host};
+  flat_params<float> host{r.values, r.grads, &model.slots(), ddp::memory_space::host};
   st.add_parameters(parameters(host));
   st.add_vector("train.epoch_loss_sums", r.totals, ck::scope::per_rank);
   st.add("train.epoch_loss_sum_so_far", std::span(r.partial), {}, ck::scope::per_rank);
@@ -422,7 +408,7 @@ int run_distributed(const options& o, Gemm gemm) {
   // goes through host mirrors, copied each step.
   const bool host_mirrors = cuda_build && group.memory() == ddp::memory_space::host;
   std::vector<float> host_values, host_grads;
-  flat_params params{{}, {}, &model.slots(), cuda_build && !host_mirrors ? ddp::memory_space::device : ddp::memory_space::host};
+  flat_params<float> params{{}, {}, &model.slots(), cuda_build && !host_mirrors ? ddp::memory_space::device : ddp::memory_space::host};
   if (host_mirrors) {
     host_values = model.host_values();
     host_grads.assign(host_values.size(), 0.0f);
@@ -441,6 +427,10 @@ int run_distributed(const options& o, Gemm gemm) {
     throw ddp::error(ddp::errc::config, "--zero " + std::to_string(o.zero) + ": sharded_data_parallel steps shards in host "
                                         "memory, and with --backend " + o.backend + " the CUDA build keeps the parameters "
                                         "in device memory (use --backend ring, which steps host mirrors)");
+  const bool mixed = o.precision != "fp32";
+  if (mixed && cuda_build)
+    throw ddp::error(ddp::errc::config, "--precision " + o.precision + ": the CUDA build's model computes in float32 on the "
+                                        "device; --precision runs in the CPU build");
   chosen_optimizer optimizer{o};
 #if defined(__CUDACC__)
   std::optional<chosen_device_optimizer> device_optimizer;
@@ -448,11 +438,11 @@ int run_distributed(const options& o, Gemm gemm) {
 #endif
   ddp::optim::grad_scaler no_loss_scaling{{.enabled = false}};
   ddp::optim::amp_shard_optimizer shard_step{optimizer, group, no_loss_scaling, {.max_norm = o.clip}};
-  std::optional<ddp::distributed_data_parallel<flat_params, ddp::group>> replicated;
-  std::optional<ddp::sharded_data_parallel<flat_params, ddp::group, decltype(shard_step)>> sharded;
+  std::optional<ddp::distributed_data_parallel<flat_params<float>, ddp::group>> replicated;
+  std::optional<ddp::sharded_data_parallel<flat_params<float>, ddp::group, decltype(shard_step)>> sharded;
   // The sharded wrapper copies its master shard from the parameters when it is built: after a
   // resume has loaded them (below).
-  if (o.zero == 0) replicated.emplace(params, group);
+  if (o.zero == 0 && !mixed) replicated.emplace(params, group);
   const auto mark_ready = [&](std::size_t i) { replicated ? replicated->mark_ready(i) : sharded->mark_ready(i); };
   if (host_mirrors) model.set_values(host_values);
   // The optimizer that the checkpoints save and load (the host one, or the device one of nccl).
@@ -579,10 +569,13 @@ int run_distributed(const options& o, Gemm gemm) {
     ddp::checkpoint::save(group, o.checkpoint_dir, step, st, {.keep = o.keep});
     rep.checkpoints_saved.push_back(step);
   };
-  if (o.zero > 0) {
+  if (o.zero > 0 && !mixed) {
     sharded.emplace(params, group, shard_step, ddp::sharded_options{.stage = o.zero});
     if (host_mirrors) model.set_values(host_values);
   }
+  // --precision bf16 / fp16: rounds the model's parameters, builds its own wrapper for --zero.
+  std::optional<mixed_precision> mixed_step;
+  if (mixed) mixed_step.emplace(o, group, optimizer, model.slots(), params.values);
   probe.sample();
   group.barrier();  // time the loop, not the rendezvous
   using clock = std::chrono::steady_clock;
@@ -612,7 +605,10 @@ int run_distributed(const options& o, Gemm gemm) {
       float loss = 0;
       const auto step_start = clock::now();
       clock::time_point backward_done;
-      if (host_mirrors) {
+      if (mixed_step) {
+        loss = model.forward_backward(data, batch);  // the reduction is in mixed_step->step(), below
+        backward_done = clock::now();
+      } else if (host_mirrors) {
         loss = model.forward_backward(data, batch);
         backward_done = clock::now();
         thrust::copy(model.grads().begin(), model.grads().end(), host_grads.begin());
@@ -631,7 +627,10 @@ int run_distributed(const options& o, Gemm gemm) {
       }
       const auto synchronized = clock::now();
       const double step_lr = lr.at(step++);
-      if (plain) {
+      if (mixed_step) {
+        optimizer.set_lr(step_lr);
+        mixed_step->step(params.grads, params.values);
+      } else if (plain) {
         model.sgd_step(step_lr);
       } else {
         optimizer.set_lr(step_lr);
@@ -722,6 +721,10 @@ int run_distributed(const options& o, Gemm gemm) {
       if (!plain) rep.optimizer_state_bytes_by_rank.push_back(memory[3 * std::size_t(r) + 2]);
     }
     rep.final_params = model.host_values();
+    if (mixed_step) {
+      rep.final_loss_scale = mixed_step->loss_scale();
+      rep.skipped_steps = mixed_step->skipped_steps();
+    }
     write_report(o.report, rep);
   }
   return 0;

@@ -31,17 +31,17 @@ KEPT = ["printed_lines", "epoch_loss_sums_by_rank", "step_losses_rank0", "final_
         "optimizer", "momentum", "clip", "zero"]
 
 
-def run(world, options):
+def run(world, options, zero=1, kept=KEPT):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         out = subprocess.run([torchrun, "--standalone", "--nnodes=1", f"--nproc-per-node={world}", SCRIPT,
-                              "--init-seed", "0", "--zero", "1", *options, "--report", report],
+                              "--init-seed", "0", "--zero", str(zero), *options, "--report", report],
                              check=True, capture_output=True, text=True)
         with open(report) as f:
             r = json.load(f)
     r["printed_lines"] = [line for line in out.stdout.splitlines() if line.startswith("Epoch")]
-    return {k: r[k] for k in KEPT}
+    return {k: r[k] for k in kept}
 
 
 def main():
