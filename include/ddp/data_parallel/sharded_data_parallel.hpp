@@ -13,6 +13,10 @@
 //     net.step();   // optimizer on this rank's shard, then the parameters are complete again
 //   }
 //
+// With {.overlap_all_gather = true} step() returns with the parameters' all-gathers in flight,
+// and the forward waits for each layer before it reads it:
+//     net.wait_parameter(i);                          // before layer i's parameters are read
+//
 // Layout (ddp/data_parallel/shard_layout.hpp): assign_buckets' buckets, each laid out by
 // ascending parameter index and padded with zeros to a multiple of the world size W, so that each
 // rank owns an equal contiguous shard of every bucket. A rank keeps only its shards of the
@@ -60,7 +64,16 @@
 //
 // step() finishes a micro-step still open, divides, runs the optimizer on the shard, then
 // all-gathers every bucket's updated shards (asynchronously, bucket after bucket, through the
-// same buffers) into the parameters: they are complete when step() returns.
+// same buffers) into the parameters, in the order the forward reads them: the bucket holding
+// parameter 0 first (buckets are in reduce order, which is reverse parameter order). By default
+// the parameters are complete when step() returns. With options.overlap_all_gather the
+// all-gathers still in flight (at most options.bucket_buffers of them; the earlier ones were
+// waited for to reuse their buffers) are left running, so that the next forward can start on
+// the first layers: a parameter keeps its value from before step() until wait_parameter(i)
+// (which waits for the buckets up to parameter i's, oldest first) or wait_parameters(). Every
+// other call of this wrapper that touches the parameters or the buffers (mark_ready, finish,
+// synchronize, no_sync, step, the destructor) completes them first. The wrapper cannot see the
+// caller read the model, hence the option is off by default. With one rank nothing is in flight.
 //
 // Memory per rank (stats()): optimizer state and master parameters over the shard (sum over
 // buckets of ceil(n_b / W), at most N/W + #buckets), shard gradients (the same), and
@@ -138,6 +151,10 @@ struct sharded_options {
   /// The dtype gradients are reduce-scattered in: unset, the parameters'; with float16 / bfloat16
   /// parameters under a float optimizer, dtype::float32 reduces in float32 (twice the bytes).
   std::optional<dtype> reduce_dtype;
+  /// step() returns with the parameters' all-gathers in flight: the model's values are the old
+  /// ones until wait_parameter(i) / wait_parameters() (or the next mark_ready, finish, no_sync,
+  /// step). Off: step() waits for them, for callers that read the model right after it.
+  bool overlap_all_gather = false;
 };
 
 /// What one rank holds and has done; bytes are this rank's.
@@ -159,6 +176,8 @@ struct sharded_stats {
   std::uint64_t micro_steps = 0;              // finish() calls, in total
   std::uint64_t reduce_scatters = 0;
   std::uint64_t all_gathers = 0;
+  /// All-gathers still in flight when step() returned (overlap_all_gather), in total.
+  std::uint64_t all_gathers_overlapped = 0;
 };
 
 namespace detail {
@@ -274,6 +293,13 @@ class sharded_data_parallel {
     bucket_of_.assign(params_.size(), 0);
     marked_.assign(params_.size(), 0);
     state_.resize(layout_.buckets.size());
+    // The forward's order: by each bucket's first (lowest) parameter.
+    for (const auto& b : layout_.buckets) gather_order_.push_back(b.index);
+    std::stable_sort(gather_order_.begin(), gather_order_.end(), [&](std::size_t x, std::size_t y) {
+      const auto& px = layout_.buckets[x].parameters;
+      const auto& py = layout_.buckets[y].parameters;
+      return !px.empty() && (py.empty() || px.front() < py.front());
+    });
     for (const auto& b : layout_.buckets) {
       for (std::size_t k : b.parameters) bucket_of_[k] = b.index;
       state_[b.index].pending = b.parameters.size();
@@ -305,8 +331,15 @@ class sharded_data_parallel {
   sharded_data_parallel(const sharded_data_parallel&) = delete;
   sharded_data_parallel& operator=(const sharded_data_parallel&) = delete;
 
-  /// Waits for collectives still in flight (they write into memory this object owns); never throws.
-  ~sharded_data_parallel() { drain_locked(); }
+  /// Completes the parameters' all-gathers still in flight (into the model), then waits for any
+  /// other collective (they write into memory this object owns); never throws.
+  ~sharded_data_parallel() {
+    try {
+      complete_gathers_locked();
+    } catch (...) {  // drained: the parameters keep what they had
+    }
+    drain_locked();
+  }
 
   /// The gradient of parameter i is final for this micro-step.
   void mark_ready(std::size_t i) {
@@ -315,6 +348,7 @@ class sharded_data_parallel {
       throw error(errc::invalid_argument,
                   "mark_ready(" + std::to_string(i) + "): the model has " + std::to_string(params_.size()) + " parameters", context());
     }
+    complete_gathers_locked();
     if (communication_paused()) return;
     if (marked_[i]) {
       throw error(errc::invalid_argument,
@@ -336,6 +370,7 @@ class sharded_data_parallel {
   /// For models without backward hooks: every gradient is final; finish().
   void synchronize() {
     std::lock_guard lock(mutex_);
+    complete_gathers_locked();
     if (!communication_paused()) {
       for (std::size_t k = params_.size(); k-- > 0;)
         if (!marked_[k]) mark_locked(k);
@@ -344,9 +379,11 @@ class sharded_data_parallel {
   }
 
   /// Finishes an open micro-step, runs the optimizer on this rank's shard with the mean gradient
-  /// (see the top of this file) and all-gathers the parameters: complete when it returns.
+  /// (see the top of this file) and all-gathers the parameters, first layers first: complete when
+  /// it returns, or with options.overlap_all_gather once wait_parameter(i) / wait_parameters().
   void step() {
     std::lock_guard lock(mutex_);
+    complete_gathers_locked();
     if (no_sync_depth_ > 0) throw error(errc::invalid_argument, "step() inside no_sync(): leave it for the last micro-step", context());
     if (marked_count_ > 0) finish_locked();
     if (options_.stage == 1 ? !reduced_ : micro_steps_ == 0) {
@@ -360,7 +397,12 @@ class sharded_data_parallel {
     optimizer_->step(master_, std::span<const T>(shard_grads_));
     try {
       visit_storage(param_type_, [&](auto tag) { gather_parameters<typename decltype(tag)::type>(); });
-      complete_all();
+      if (options_.overlap_all_gather && world_ > 1) {
+        for (const auto& s : slots_) gathers_in_flight_ += s.job == job_kind::gather ? 1 : 0;
+        stats_.all_gathers_overlapped += gathers_in_flight_;
+      } else {
+        complete_all();
+      }
     } catch (...) {
       drain_locked();
       reset_step();
@@ -370,10 +412,47 @@ class sharded_data_parallel {
     ++stats_.steps;
   }
 
+  /// Waits for the all-gathers step() left in flight (options.overlap_all_gather) and copies them
+  /// into the parameters: every parameter has its updated value. Nothing to do otherwise.
+  void wait_parameters() {
+    std::lock_guard lock(mutex_);
+    complete_gathers_locked();
+  }
+
+  /// Waits for the all-gather of parameter i's bucket and of the buckets issued before it (the
+  /// earlier parameters', oldest first), not for the later ones: parameter i, and every parameter
+  /// before it, has its updated value.
+  void wait_parameter(std::size_t i) {
+    std::lock_guard lock(mutex_);
+    if (i >= params_.size()) {
+      throw error(errc::invalid_argument,
+                  "wait_parameter(" + std::to_string(i) + "): the model has " + std::to_string(params_.size()) + " parameters",
+                  context());
+    }
+    if (gathers_in_flight_ == 0) return;
+    const std::size_t bucket = bucket_of_[i];
+    const auto holds = [&](const slot& s) { return s.job == job_kind::gather && s.bucket == bucket; };
+    if (std::none_of(slots_.begin(), slots_.end(), holds)) return;  // done already, or an empty bucket
+    try {
+      for (std::size_t n = 0; n < slots_.size(); ++n) {  // round robin: next_slot_ holds the oldest
+        slot& s = slots_[(next_slot_ + n) % slots_.size()];
+        if (s.job != job_kind::gather) continue;
+        const bool last = holds(s);
+        complete(s);
+        --gathers_in_flight_;
+        if (last) break;
+      }
+    } catch (...) {
+      drain_locked();
+      throw;
+    }
+  }
+
   /// While the guard lives, finish() ends a micro-step that step() will not follow: stage 1
   /// communicates nothing (the model's gradients accumulate), stage 2 reduce-scatters as always.
   [[nodiscard]] no_sync_guard no_sync() {
     std::lock_guard lock(mutex_);
+    complete_gathers_locked();
     if (marked_count_ > 0) {
       throw error(errc::invalid_argument,
                   "no_sync() entered in the middle of a micro-step (" + std::to_string(marked_count_) +
@@ -658,7 +737,8 @@ class sharded_data_parallel {
   // buffers; complete() copies each into the parameters.
   template <class P>
   void gather_parameters() {
-    for (const auto& b : layout_.buckets) {
+    for (const std::size_t index : gather_order_) {
+      const shard_bucket& b = layout_.buckets[index];
       if (b.numel == 0) continue;
       slot& s = acquire_slot();
       const T* const master = master_.data() + b.shard_offset;
@@ -718,6 +798,19 @@ class sharded_data_parallel {
     }
   }
 
+  // The all-gathers step() left in flight, completed oldest first; on a failure every collective
+  // is drained and the parameters keep what they had.
+  void complete_gathers_locked() {
+    if (gathers_in_flight_ == 0) return;
+    try {
+      complete_all();
+    } catch (...) {
+      drain_locked();
+      throw;
+    }
+    gathers_in_flight_ = 0;
+  }
+
   // Waits for every buffer in turn, oldest first.
   void complete_all() {
     for (std::size_t n = 0; n < slots_.size(); ++n) {
@@ -727,6 +820,7 @@ class sharded_data_parallel {
   }
 
   void finish_locked() {
+    complete_gathers_locked();
     if (communication_paused()) {
       ++micro_steps_;
       ++stats_.micro_steps;
@@ -774,6 +868,7 @@ class sharded_data_parallel {
   }
 
   void drain_locked() noexcept {
+    gathers_in_flight_ = 0;
     for (auto& s : slots_) {
       auto w = std::exchange(s.work, detail::any_work{});
       s.job = job_kind::none;
@@ -817,6 +912,8 @@ class sharded_data_parallel {
   std::vector<slot> slots_;
   std::size_t next_slot_ = 0;
   std::vector<bucket_state> state_;
+  std::vector<std::size_t> gather_order_;  // bucket indices, the one holding parameter 0 first
+  std::size_t gathers_in_flight_ = 0;      // all-gathers step() left running (overlap_all_gather)
   std::vector<std::size_t> bucket_of_;
   std::vector<unsigned char> marked_;
   std::size_t marked_count_ = 0;
