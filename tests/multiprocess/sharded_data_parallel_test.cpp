@@ -210,7 +210,7 @@ struct run_config {
     std::string s = "stage " + std::to_string(stage) + (opt == opt_kind::sgd ? " sgd" : " adamw") + " model";
     for (auto d : dims) s += " " + std::to_string(d);
     s += " k=" + std::to_string(accumulate) + (grid ? " grid" : " arbitrary") + " cap " + std::to_string(options.bucket_cap_bytes) +
-         " buffers " + std::to_string(options.bucket_buffers);
+         " buffers " + std::to_string(options.bucket_buffers) + (options.overlap_all_gather ? " overlap" : "");
     return s;
   }
 };
@@ -239,6 +239,15 @@ outcome train_pair(const run_config& c, int rank, Group& group, MakeOpt make_opt
   const std::size_t k = static_cast<std::size_t>(c.accumulate);
 
   for (int s = 0; s < c.steps; ++s) {
+    // With the all-gathers left in flight, the ways to get the parameters in turn: one at a time
+    // in the forward's order, all at once, or (with micro-steps) no_sync() below doing it.
+    if (o.overlap_all_gather) {
+      if (s % 3 == 0) {
+        for (std::size_t i = 0; i < sharded_model.sizes.size(); ++i) net.wait_parameter(i);
+      } else if (s % 3 == 1 || k == 1) {
+        net.wait_parameters();
+      }
+    }
     sharded_model.zero_grads();
     ref_model.zero_grads();
     for (std::size_t m = 0; m < k; ++m) {
@@ -266,6 +275,7 @@ outcome train_pair(const run_config& c, int rank, Group& group, MakeOpt make_opt
     opt_r.step(std::span<float>(ref_model.flat_values), std::span<const float>(ref_model.flat_grads));
   }
 
+  net.wait_parameters();
   outcome out;
   out.stats = net.stats();
   std::size_t flat_index = 0;
@@ -303,11 +313,19 @@ void bitwise_suite(const std::vector<run_config>& configs, int rank, Group& grou
     if (r.moved < 1e-3) failures += c.describe() + ": the reference did not train\n";
     if (!std::isfinite(r.moved) || r.moved > 10) failures += c.describe() + ": the reference diverged\n";
     if (r.stats.steps != static_cast<std::uint64_t>(c.steps)) failures += c.describe() + ": steps counted wrong\n";
+    // Each step leaves as many all-gathers in flight as it has buffers (every bucket has elements).
+    const std::size_t buffers = c.options.bucket_buffers == 0 ? r.stats.buckets : std::min(c.options.bucket_buffers, r.stats.buckets);
+    const std::uint64_t in_flight = c.options.overlap_all_gather && r.stats.world_size > 1 ? static_cast<std::uint64_t>(c.steps) * buffers : 0;
+    if (r.stats.all_gathers_overlapped != in_flight)
+      failures += c.describe() + ": " + std::to_string(r.stats.all_gathers_overlapped) + " all-gathers left in flight, expected " +
+                  std::to_string(in_flight) + "\n";
   }
   check(failures.empty(), "\n" + failures);
 }
 
-std::vector<run_config> bitwise_configs() {
+/// Every configuration; at world size p half of them leave the all-gathers in flight (the other
+/// half at the next p), so each runs both ways without adding runs.
+std::vector<run_config> bitwise_configs(int p) {
   std::vector<run_config> out;
   for (int stage : {1, 2})
     for (opt_kind opt : {opt_kind::sgd, opt_kind::adamw}) {
@@ -325,6 +343,7 @@ std::vector<run_config> bitwise_configs() {
       odd.options = {.bucket_cap_bytes = 1 << 20, .first_bucket_bytes = 1 << 20};
       out.push_back(odd);
     }
+  for (std::size_t i = 0; i < out.size(); ++i) out[i].options.overlap_all_gather = (i + static_cast<std::size_t>(p)) % 2 == 1;
   return out;
 }
 
@@ -364,32 +383,201 @@ TEST_CASE("sharded_data_parallel: reduce_scatter(avg) against all_reduce(avg) bi
 // --- bitwise against DDP ----------------------------------------------------------------------
 
 TEST_CASE("sharded_data_parallel: ZeRO-1 and ZeRO-2 equal DDP + the same optimizer bitwise over shm with W = 2") {
-  on_ranks(2, kind::shm, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(), rank, g); });
+  on_ranks(2, kind::shm, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(2), rank, g); });
 }
 TEST_CASE("sharded_data_parallel: ZeRO-1 and ZeRO-2 equal DDP + the same optimizer bitwise over shm with W = 3") {
-  on_ranks(3, kind::shm, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(), rank, g); });
+  on_ranks(3, kind::shm, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(3), rank, g); });
 }
 TEST_CASE("sharded_data_parallel: ZeRO-1 and ZeRO-2 equal DDP + the same optimizer bitwise over shm with W = 4") {
-  on_ranks(4, kind::shm, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(), rank, g); });
+  on_ranks(4, kind::shm, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(4), rank, g); });
 }
 TEST_CASE("sharded_data_parallel: ZeRO-1 and ZeRO-2 equal DDP + the same optimizer bitwise over tcp with W = 2") {
-  on_ranks(2, kind::tcp, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(), rank, g); });
+  on_ranks(2, kind::tcp, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(2), rank, g); });
 }
 TEST_CASE("sharded_data_parallel: ZeRO-1 and ZeRO-2 equal DDP + the same optimizer bitwise over tcp with W = 3") {
-  on_ranks(3, kind::tcp, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(), rank, g); });
+  on_ranks(3, kind::tcp, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(3), rank, g); });
 }
 TEST_CASE("sharded_data_parallel: ZeRO-1 and ZeRO-2 equal DDP + the same optimizer bitwise over tcp with W = 4") {
-  on_ranks(4, kind::tcp, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(), rank, g); });
+  on_ranks(4, kind::tcp, "bitwise", [](int rank, auto& g) { bitwise_suite(bitwise_configs(4), rank, g); });
 }
 TEST_CASE("sharded_data_parallel: through the type-erased ddp::group with W = 3") {
   static_assert(ddp::collective_group<ddp::group>);
   on_ranks(
       3, kind::shm, "erased",
       [](int rank, auto& g) {
-        bitwise_suite({run_config{.stage = 1, .opt = opt_kind::adamw, .steps = 20}, run_config{.stage = 2, .opt = opt_kind::sgd, .steps = 20, .accumulate = 2}},
+        bitwise_suite({run_config{.stage = 1, .opt = opt_kind::adamw, .steps = 20},
+                       run_config{.stage = 2, .opt = opt_kind::sgd, .steps = 20, .accumulate = 2,
+                                  .options = {.bucket_cap_bytes = 1024, .first_bucket_bytes = 64, .overlap_all_gather = true}}},
                       rank, g);
       },
       true);
+}
+
+// --- all-gathers left in flight ---------------------------------------------------------------
+
+/// The real group, but each all_gather_async's work is the test's to release: waiting for one
+/// that is not released yet is recorded (and then waits for the real one, so nothing hangs).
+template <class G>
+struct gated_group {
+  struct gather {
+    std::size_t elements = 0;
+    bool released = false, waited = false, early = false;
+  };
+  struct record {
+    std::vector<gather> gathers;  // in the order they were issued
+  };
+  struct gated_work {
+    ddp::work inner;
+    std::shared_ptr<record> log;
+    std::size_t id = 0;
+    void wait() {
+      auto& g = log->gathers[id];
+      g.early = g.early || !g.released;
+      g.waited = true;
+      inner.wait();
+    }
+  };
+
+  G* inner;
+  std::shared_ptr<record> log = std::make_shared<record>();
+
+  int rank() const { return inner->rank(); }
+  int size() const { return inner->size(); }
+  template <class T>
+  void broadcast(std::span<T> data, int root) {
+    inner->broadcast(data, root);
+  }
+  template <class T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    inner->all_gather(in, out);
+  }
+  template <class T, class Op>
+  ddp::work all_reduce_async(std::span<T> data, Op op) {
+    return inner->all_reduce_async(data, op);
+  }
+  template <class T, class Op>
+  ddp::work reduce_scatter_async(std::span<const T> in, std::span<T> out, Op op) {
+    return inner->reduce_scatter_async(in, out, op);
+  }
+  template <class T>
+  gated_work all_gather_async(std::span<const T> in, std::span<T> out) {
+    log->gathers.push_back({.elements = out.size()});
+    return {inner->all_gather_async(in, out), log, log->gathers.size() - 1};
+  }
+};
+
+TEST_CASE("sharded_data_parallel: overlap_all_gather leaves the all-gathers in flight, first layers first, over shm and tcp with W = 3") {
+  for (kind t : {kind::shm, kind::tcp})
+    on_ranks(3, t, "overlap", [&](int rank, auto& inner) {
+      using Inner = std::remove_cvref_t<decltype(inner)>;
+      constexpr int p = 3;
+      gated_group<Inner> group{&inner};
+      // One bucket per parameter (320, 32, 64 and 2 elements) and a buffer each: all four
+      // all-gathers stay in flight. Reduce order is the last parameter first.
+      model sharded_model = make_model({10, 32, 2}, true, false, rank);
+      model ref_model = make_model({10, 32, 2}, true, true, rank);
+      const std::size_t n_params = sharded_model.sizes.size();
+      auto opt_s = make_sgd();
+      auto opt_r = make_sgd();
+      ddp::sharded_data_parallel net{sharded_model, group, opt_s,
+                                     {.stage = 2, .bucket_cap_bytes = 1, .first_bucket_bytes = 1, .bucket_buffers = 0,
+                                      .overlap_all_gather = true}};
+      ddp::distributed_data_parallel ref{ref_model, inner};
+      check(net.stats().buckets == n_params, "a bucket per parameter");
+      const auto values = [](model& m) {
+        std::vector<std::vector<float>> out;
+        for (std::size_t i = 0; i < m.sizes.size(); ++i) out.emplace_back(m.value(i).begin(), m.value(i).end());
+        return out;
+      };
+      const auto same = [&](std::size_t i, const std::vector<float>& expected) {
+        const auto v = sharded_model.value(i);
+        return v.size() == expected.size() && std::memcmp(v.data(), expected.data(), v.size() * sizeof(float)) == 0;
+      };
+      const auto waited = [&](std::size_t base) {
+        std::string w;
+        for (std::size_t j = base; j < group.log->gathers.size(); ++j) w += group.log->gathers[j].waited ? '1' : '0';
+        return w;
+      };
+
+      constexpr int steps = 4;
+      for (int s = 0; s < steps; ++s) {
+        sharded_model.zero_grads();
+        ref_model.zero_grads();
+        for (std::size_t m = 0; m < 2; ++m) {
+          const std::size_t micro = static_cast<std::size_t>(s) * 2 + m;
+          {
+            std::optional<typename decltype(net)::no_sync_guard> guard;
+            if (m == 0) guard.emplace(net.no_sync());
+            // Odd steps left gathers released but not waited for: no_sync() completed them.
+            if (m == 0 && s > 0) {
+              const auto expected = values(ref_model);
+              for (std::size_t i = 0; i < n_params; ++i) check(same(i, expected[i]), "step " + std::to_string(s) + ": parameter " + std::to_string(i) + " is DDP's");
+            }
+            backward(sharded_model, rank, micro, true, [&](std::size_t i) { net.mark_ready(i); });
+            net.finish();
+          }
+          {
+            std::optional<typename ddp::distributed_data_parallel<model, Inner>::no_sync_guard> guard;
+            if (m == 0) guard.emplace(ref.no_sync());
+            backward(ref_model, rank, micro, true, [&](std::size_t i) { ref.mark_ready(i); });
+            ref.finish();
+          }
+        }
+        const auto before = values(sharded_model);
+        const std::size_t base = group.log->gathers.size();
+        net.step();
+        for (auto& g : ref_model.flat_grads) g = g / 2.0f;
+        opt_r.step(std::span<float>(ref_model.flat_values), std::span<const float>(ref_model.flat_grads));
+        const auto after = values(ref_model);
+        const std::string at = "step " + std::to_string(s) + ": ";
+
+        // Issued in the forward's order, none waited for, the model untouched.
+        auto& gathers = group.log->gathers;
+        check(gathers.size() - base == n_params, at + std::to_string(gathers.size() - base) + " all-gathers issued");
+        for (std::size_t j = 0; j < n_params; ++j) {
+          const std::size_t padded = (sharded_model.sizes[j] + p - 1) / p * p;
+          check(gathers[base + j].elements == padded, at + "all-gather " + std::to_string(j) + " moves " +
+                                                          std::to_string(gathers[base + j].elements) + " elements, parameter " +
+                                                          std::to_string(j) + "'s bucket holds " + std::to_string(padded));
+        }
+        check(waited(base) == "0000", at + "step() waited for all-gathers " + waited(base));
+        check(net.stats().all_gathers_overlapped == static_cast<std::uint64_t>(s + 1) * n_params, at + "all_gathers_overlapped");
+        for (std::size_t i = 0; i < n_params; ++i) check(same(i, before[i]), at + "parameter " + std::to_string(i) + " changed before a wait");
+
+        // Parameter 0 needs the first all-gather only.
+        gathers[base].released = true;
+        net.wait_parameter(0);
+        check(waited(base) == "1000", at + "wait_parameter(0) waited for " + waited(base));
+        check(same(0, after[0]), at + "parameter 0 is not DDP's after wait_parameter(0)");
+        for (std::size_t i = 1; i < n_params; ++i) check(same(i, before[i]), at + "parameter " + std::to_string(i) + " changed");
+        net.wait_parameter(0);  // done already: waits for nothing more
+        check(waited(base) == "1000", at + "a second wait_parameter(0) waited for " + waited(base));
+
+        // Parameter 2 needs the second and the third, oldest first.
+        gathers[base + 1].released = gathers[base + 2].released = true;
+        net.wait_parameter(2);
+        check(waited(base) == "1110", at + "wait_parameter(2) waited for " + waited(base));
+        for (std::size_t i = 0; i < 3; ++i) check(same(i, after[i]), at + "parameter " + std::to_string(i) + " is not DDP's");
+        check(same(3, before[3]), at + "parameter 3 changed");
+
+        gathers[base + 3].released = true;
+        if (s % 2 == 0 || s + 1 == steps) {
+          net.wait_parameters();
+          check(waited(base) == "1111", at + "wait_parameters() waited for " + waited(base));
+          for (std::size_t i = 0; i < n_params; ++i) check(same(i, after[i]), at + "parameter " + std::to_string(i) + " is not DDP's");
+        }
+      }
+      for (const auto& g : group.log->gathers) check(!g.early, "an all-gather was waited for before the test released it");
+    });
+}
+
+TEST_CASE("sharded_data_parallel: overlap_all_gather with one rank leaves nothing in flight") {
+  on_ranks(1, kind::shm, "overlap_one", [&](int rank, auto& group) {
+    const run_config c{.stage = 2, .steps = 3, .options = {.bucket_cap_bytes = 1024, .first_bucket_bytes = 64, .overlap_all_gather = true}};
+    const auto r = train_pair(c, rank, group);
+    check(r.differing == 0, std::to_string(r.differing) + " elements differ from DDP's");
+    check(r.stats.all_gathers_overlapped == 0, "all-gathers in flight with one rank");
+  });
 }
 
 // --- arbitrary gradients ----------------------------------------------------------------------
