@@ -1,4 +1,10 @@
 #pragma once
+// clang reports each DDP_ELEMENTWISE_LOOP it cannot vectorize (-Wpass-failed, on by default, and an
+// error under -Werror in a consumer's build); the scalar loop is correct, so the report is noise.
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 // Building blocks of the direct shared-memory algorithms (used by shm_communicator):
 // the per-rank control layout, the partition of a buffer into per-rank slices, and the
 // reduction kernel.
@@ -238,3 +244,7 @@ erased_fold erase_fold(const Op& op) noexcept {
 }
 
 }  // namespace ddp::algo::shm_direct
+
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#endif
