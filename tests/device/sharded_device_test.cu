@@ -110,6 +110,7 @@ std::uint32_t bits(float x) {
 
 // Trains `steps` steps (1 or 2 micro-steps each, alternating) on device parameters through the
 // sharded wrapper, and the same steps on the host, comparing the parameters after every step.
+// Stage 2 leaves step()'s all-gathers in flight and waits for each parameter before reading it.
 template <class DeviceOptimizer, class HostOptimizer, class Options>
 void train_and_compare(int world, int stage, const Options& optimizer_options) {
   check_nccl_ranks(world, [&](nccl_group& g) {
@@ -118,6 +119,7 @@ void train_and_compare(int world, int stage, const Options& optimizer_options) {
     DeviceOptimizer device_optimizer(optimizer_options);
     ddp::sharded_options options = layout_options;
     options.stage = stage;
+    options.overlap_all_gather = stage == 2;
     ddp::sharded_data_parallel net{m, g, device_optimizer, options};
     const auto stats = net.stats();
     if (stats.buckets < 3) throw std::runtime_error("expected several buckets, got " + std::to_string(stats.buckets));
@@ -156,6 +158,7 @@ void train_and_compare(int world, int stage, const Options& optimizer_options) {
       host_optimizer.step(std::span<float>(reference), std::span<const float>(grad));
       std::size_t offset = 0;
       for (std::size_t k = 0; k < parameter_sizes.size(); ++k) {
+        net.wait_parameter(k);
         const thrust::host_vector<float> got = m[k].first;
         for (std::size_t i = 0; i < got.size(); ++i) {
           if (bits(got[i]) != bits(reference[offset + i]))
@@ -167,6 +170,8 @@ void train_and_compare(int world, int stage, const Options& optimizer_options) {
       }
     }
     if (net.stats().steps != steps) throw std::runtime_error("stats().steps is " + std::to_string(net.stats().steps));
+    if ((net.stats().all_gathers_overlapped > 0) != (stage == 2 && world > 1))
+      throw std::runtime_error("stats().all_gathers_overlapped is " + std::to_string(net.stats().all_gathers_overlapped));
   });
 }
 
