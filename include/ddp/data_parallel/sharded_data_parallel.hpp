@@ -66,12 +66,12 @@
 // all-gathers every bucket's updated shards (asynchronously, bucket after bucket, through the
 // same buffers) into the parameters, in the order the forward reads them: the bucket holding
 // parameter 0 first (buckets are in reduce order, which is reverse parameter order). By default
-// the parameters are complete when step() returns. With options.overlap_all_gather the
-// all-gathers still in flight (at most options.bucket_buffers of them; the earlier ones were
-// waited for to reuse their buffers) are left running, so that the next forward can start on
-// the first layers: a parameter keeps its value from before step() until wait_parameter(i)
-// (which waits for the buckets up to parameter i's, oldest first) or wait_parameters(). Every
-// other call of this wrapper that touches the parameters or the buffers (mark_ready, finish,
+// the parameters are complete when step() returns. With options.overlap_all_gather the last
+// all-gathers, one per buffer, are left in flight (the earlier ones were waited for to reuse
+// their buffers, so the first layers are complete), so that the next forward can start on the
+// first layers: a parameter keeps its value from before step() until wait_parameter(i) (which
+// waits for the buckets up to parameter i's, oldest first) or wait_parameters(). Every other
+// call of this wrapper that touches the parameters or the buffers (mark_ready, finish,
 // synchronize, no_sync, step, the destructor) completes them first. The wrapper cannot see the
 // caller read the model, hence the option is off by default. With one rank nothing is in flight.
 //
@@ -101,7 +101,7 @@
 // distributed_data_parallel's own construction (same checks, same messages). All parameters in
 // one memory space, and every parameter of the optimizer's value_type (or all float16 / all
 // bfloat16 under a float optimizer, in host memory); mark_ready may be called from any thread
-// (calls are serialized); finish(), step() and no_sync() belong to the training loop.
+// (calls are serialized); finish(), step(), no_sync() and the waits belong to the training loop.
 //
 // Over 400 lines on purpose: one class template whose private members share its buffers, step
 // state and mutex, as distributed_data_parallel's; the pure layout is apart (shard_layout.hpp).
@@ -473,6 +473,9 @@ class sharded_data_parallel {
   /// parameters' memory space.
   std::span<const T> shard_parameters() const noexcept { return master_; }
   std::span<const T> shard_gradients() const noexcept { return shard_grads_; }
+  /// Writable, to restore a checkpoint's master shard when the model's parameters are of a lower
+  /// precision (their rounded values cannot give it back); between steps, on every rank.
+  std::span<T> shard_parameters() noexcept { return master_; }
   sharded_stats stats() const {
     std::lock_guard lock(mutex_);
     sharded_stats s = stats_;
