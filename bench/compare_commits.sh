@@ -5,6 +5,8 @@
 # mean per configuration. Side by side in one invocation, so machine noise hits both alike.
 #   bench/compare_commits.sh OLD [NEW]      (NEW defaults to the working tree)
 #   REPS=15 CONFIGS="2:shm:group 2:shm:user 2:tcp:user" MIN_BYTES=64 MAX_BYTES=16777216 bench/compare_commits.sh HEAD~3
+# RUNNER: a command the benchmark runs under (not the builds), e.g. RUNNER="chrt -f 10" on a machine
+# busy with compilers, where preemptions of a spinning rank otherwise swamp every size below 1 MiB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 old=${1:?usage: bench/compare_commits.sh OLD [NEW]}
@@ -39,7 +41,7 @@ for rep in $(seq 1 "$reps"); do
   for cfg in $configs; do
     IFS=: read -r np transport buffer <<< "$cfg"
     for side in old new; do
-      timeout 300 "$work/build-$side/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport "$transport" --buffer "$buffer" \
+      timeout 300 ${RUNNER:-} "$work/build-$side/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport "$transport" --buffer "$buffer" \
           --min-bytes "$min_bytes" --max-bytes "$max_bytes" --csv 2>/dev/null | tail -n +2 | sed "s/^/$side,/" >> "$raw"
     done
   done
