@@ -171,9 +171,6 @@ inline options parse_options(int argc, char** argv) {
       throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero/--precision",
                                  "are not supported with --simulate-world");
     if (loss_scale->count() > 0 && o.precision != "fp16") throw CLI::ValidationError("--loss-scale", "needs --precision fp16");
-    if (o.precision != "fp32" && !o.checkpoint_dir.empty())
-      throw CLI::ValidationError("--precision", "checkpoints do not yet hold the float32 master and the loss scale: "
-                                                "not with --checkpoint-dir");
     if (o.precision != "fp32" && !o.scaling.empty())
       throw CLI::ValidationError("--precision", "is not supported with --scaling");
     if (o.dataset == "digits") {

@@ -37,6 +37,13 @@
 
 namespace train {
 
+/// What a checkpoint keeps of --precision (checkpoint_state() in train_ddp.cpp names the parts).
+struct precision_snapshot {
+  std::vector<float> master;
+  std::vector<float> loss_scale{1.0f};
+  std::vector<std::int32_t> growth_tracker{0};
+};
+
 template <ddp::half_precision Low>
 class mixed_precision_step {
  public:
@@ -94,6 +101,24 @@ class mixed_precision_step {
   float loss_scale() const noexcept { return scaler_.get_scale(); }
   std::int64_t skipped_steps() const noexcept { return skipped_steps_; }
 
+  /// What a checkpoint keeps besides the model and the optimizer: the float32 master (--zero 0:
+  /// all of it, the same on every rank; 1 and 2: this rank's shard) and the scaler's state.
+  precision_snapshot snapshot() const {
+    const std::span<const float> master = master_ ? std::span<const float>(master_->parameters()) : sharded_->shard_parameters();
+    const auto& st = scaler_.state();
+    return {{master.begin(), master.end()}, {st.scale}, {st.growth_tracker}};
+  }
+  /// Restores a snapshot after the model's parameters were restored (they are the master
+  /// rounded, so values_ is already what it was).
+  void restore(const precision_snapshot& in) {
+    const std::span<float> master = master_ ? master_->parameters() : sharded_->shard_parameters();
+    if (in.master.size() != master.size())
+      throw ddp::error(ddp::errc::config, "checkpoint: the float32 master holds " + std::to_string(in.master.size()) +
+                                              " values, this rank's has " + std::to_string(master.size()));
+    std::copy(in.master.begin(), in.master.end(), master.begin());
+    scaler_.load_state({.scale = in.loss_scale.at(0), .growth_tracker = in.growth_tracker.at(0)});
+  }
+
  private:
   void widen_into(std::span<float> values) const {
     std::transform(values_.begin(), values_.end(), values.begin(), [](Low x) { return static_cast<float>(x); });
@@ -127,6 +152,8 @@ class mixed_precision {
   }
   float loss_scale() const { return bf16_ ? bf16_->loss_scale() : fp16_->loss_scale(); }
   std::int64_t skipped_steps() const { return bf16_ ? bf16_->skipped_steps() : fp16_->skipped_steps(); }
+  precision_snapshot snapshot() const { return bf16_ ? bf16_->snapshot() : fp16_->snapshot(); }
+  void restore(const precision_snapshot& in) { bf16_ ? bf16_->restore(in) : fp16_->restore(in); }
 
  private:
   std::optional<mixed_precision_step<ddp::bfloat16>> bf16_;

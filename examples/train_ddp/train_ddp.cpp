@@ -258,6 +258,7 @@ struct resumable {
   std::vector<double> samples_processed{0.0};
   std::vector<std::int64_t> heldout_samples{0};
   optimizer_snapshot optimizer;  // --optimizer/--zero runs (plain SGD keeps no state)
+  precision_snapshot precision;  // --precision bf16 / fp16: the float32 master and the loss scale
 };
 
 /// The options a resumed run must share with the run that saved (the others, such as --epochs,
@@ -274,6 +275,10 @@ inline std::string checkpoint_config(const options& o) {
   if (!plain_sgd(o)) {  // the optimizer's state is only valid for the same optimizer, and its layout for the same --zero
     std::snprintf(b, sizeof b, " optimizer=%s momentum=%.17g weight_decay=%.17g clip=%.17g zero=%d", o.optimizer.c_str(),
                   o.momentum, o.weight_decay.value_or(-1), o.clip, o.zero);
+    config += b;
+  }
+  if (o.precision != "fp32") {  // the master and the scale belong to this precision
+    std::snprintf(b, sizeof b, " precision=%s loss_scale=%.17g", o.precision.c_str(), o.loss_scale);
     config += b;
   }
   return config;
@@ -302,6 +307,11 @@ ddp::checkpoint::state checkpoint_state(const options& o, const Model& model, re
     st.add_vector("optimizer.exp_avg", r.optimizer.exp_avg, where);
     st.add_vector("optimizer.exp_avg_sq", r.optimizer.exp_avg_sq, where);
     st.add_vector("optimizer.max_exp_avg_sq", r.optimizer.max_exp_avg_sq, where);
+  }
+  if (o.precision != "fp32") {  // the master is laid out as the optimizer's state
+    st.add_vector("precision.master", r.precision.master, o.zero > 0 ? ck::scope::per_rank : ck::scope::replicated);
+    st.add_vector("precision.loss_scale", r.precision.loss_scale);
+    st.add_vector("precision.growth_tracker", r.precision.growth_tracker);
   }
   st.metadata["train_ddp.config"] = checkpoint_config(o);
   return st;
@@ -440,6 +450,8 @@ int run_distributed(const options& o, Gemm gemm) {
   ddp::optim::amp_shard_optimizer shard_step{optimizer, group, no_loss_scaling, {.max_norm = o.clip}};
   std::optional<ddp::distributed_data_parallel<flat_params<float>, ddp::group>> replicated;
   std::optional<ddp::sharded_data_parallel<flat_params<float>, ddp::group, decltype(shard_step)>> sharded;
+  // --precision bf16 / fp16: rounds the model's parameters, builds its own wrapper for --zero.
+  std::optional<mixed_precision> mixed_step;
   // The sharded wrapper copies its master shard from the parameters when it is built: after a
   // resume has loaded them (below).
   if (o.zero == 0 && !mixed) replicated.emplace(params, group);
@@ -563,6 +575,7 @@ int run_distributed(const options& o, Gemm gemm) {
     now.samples_processed = {rep.samples_processed};
     now.heldout_samples = {rep.heldout_samples};
     if (!plain) save_optimizer(now.optimizer);
+    if (mixed_step) now.precision = mixed_step->snapshot();
     auto st = checkpoint_state(o, model, now, rep);
     st.sampler = {.seed = o.sampler_seed, .epoch = epoch, .batches_done = batches_done};
     st.metadata["step"] = std::to_string(step);
@@ -573,9 +586,10 @@ int run_distributed(const options& o, Gemm gemm) {
     sharded.emplace(params, group, shard_step, ddp::sharded_options{.stage = o.zero});
     if (host_mirrors) model.set_values(host_values);
   }
-  // --precision bf16 / fp16: rounds the model's parameters, builds its own wrapper for --zero.
-  std::optional<mixed_precision> mixed_step;
-  if (mixed) mixed_step.emplace(o, group, optimizer, model.slots(), params.values);
+  if (mixed) {
+    mixed_step.emplace(o, group, optimizer, model.slots(), params.values);
+    if (rep.resumed_from_step >= 0) mixed_step->restore(saved.precision);
+  }
   probe.sample();
   group.barrier();  // time the loop, not the rendezvous
   using clock = std::chrono::steady_clock;
