@@ -23,6 +23,9 @@
 #if defined(__CUDACC__)
 #include <cmath>
 
+#include <thrust/device_vector.h>
+
+#include "ddp/backends/cuda_memory.hpp"
 #include "ddp/optim/cuda.hpp"
 #endif
 
@@ -141,6 +144,40 @@ inline void step_replicated_on_device(chosen_device_optimizer& opt, double clip,
   }
   opt.step(values, grads);
 }
+
+/// --zero 1 and 2 on device memory (CUDA build, nccl): sharded_data_parallel hands this rank's
+/// device shard to this step, which clips it with the global norm (its squared norm in double,
+/// all-reduced once, as ddp::optim::clip_grad_norm's sharded form on the host) and steps it with
+/// the device optimizer. The shard gradient arrives read-only, so a clip works on a device copy.
+template <class Group>
+class device_shard_step {
+ public:
+  using value_type = float;
+
+  /// The optimizer and group must outlive this object (held by reference).
+  device_shard_step(chosen_device_optimizer& inner, Group& group, double clip) : inner_(&inner), group_(&group), clip_(clip) {}
+
+  void step(std::span<float> params, std::span<const float> grads) {
+    if (clip_ <= 0) return inner_->step(params, grads);
+    if (grads_.size() != grads.size()) grads_.resize(grads.size());
+    const std::span<float> mine(thrust::raw_pointer_cast(grads_.data()), grads.size());
+    ddp::detail::cuda_check(cudaMemcpy(mine.data(), grads.data(), grads.size_bytes(), cudaMemcpyDeviceToDevice),
+                            "train_ddp: cudaMemcpy of the shard gradient");
+    double squared = ddp::optim::cuda::total_norm_squared(std::span<const float>(mine));
+    group_->all_reduce(std::span<double>(&squared, 1), ddp::sum{});
+    ddp::optim::cuda::clip_grads_with_norm(std::vector<std::span<float>>{mine}, clip_, static_cast<float>(std::sqrt(squared)));
+    inner_->step(params, std::span<const float>(mine));
+  }
+
+  /// The wrapped optimizer's state bytes (sharded_stats counts them).
+  std::uint64_t state_bytes() const { return inner_->state_bytes(); }
+
+ private:
+  chosen_device_optimizer* inner_;
+  Group* group_;
+  double clip_;
+  thrust::device_vector<float> grads_;
+};
 #endif
 
 }  // namespace train

@@ -45,6 +45,7 @@
 
 #if defined(__CUDACC__)
 #include "cublas_gemm.hpp"
+#include "ddp/data_parallel/sharded_cuda.hpp"  // --zero on device memory: the shard's element kernels
 #endif
 #if defined(DDP_HAS_MPI)
 #include "ddp/mpi.hpp"  // registers --backend mpi
@@ -429,14 +430,11 @@ int run_distributed(const options& o, Gemm gemm) {
     params.grads = {model.grad_data(), model.numel()};
   }
   // --zero 0: DDP, then the step on every rank; --zero 1, 2: the sharded wrapper steps this rank's
-  // shard (the optimizer and the sharded clip inside amp_shard_optimizer, its scaler off) and
-  // all-gathers the parameters. Either construction checks shapes on every rank and broadcasts rank 0.
+  // shard (the optimizer and the sharded clip inside amp_shard_optimizer, its scaler off; on device
+  // memory, nccl, device_shard_step) and all-gathers the parameters. Either construction checks
+  // shapes on every rank and broadcasts rank 0.
   const bool plain = plain_sgd(o);
   const bool on_device = params.memory != ddp::memory_space::host;
-  if (o.zero > 0 && on_device)
-    throw ddp::error(ddp::errc::config, "--zero " + std::to_string(o.zero) + ": sharded_data_parallel steps shards in host "
-                                        "memory, and with --backend " + o.backend + " the CUDA build keeps the parameters "
-                                        "in device memory (use --backend ring, which steps host mirrors)");
   const bool mixed = o.precision != "fp32";
   if (mixed && cuda_build)
     throw ddp::error(ddp::errc::config, "--precision " + o.precision + ": the CUDA build's model computes in float32 on the "
@@ -450,12 +448,24 @@ int run_distributed(const options& o, Gemm gemm) {
   ddp::optim::amp_shard_optimizer shard_step{optimizer, group, no_loss_scaling, {.max_norm = o.clip}};
   std::optional<ddp::distributed_data_parallel<flat_params<float>, ddp::group>> replicated;
   std::optional<ddp::sharded_data_parallel<flat_params<float>, ddp::group, decltype(shard_step)>> sharded;
+#if defined(__CUDACC__)
+  std::optional<device_shard_step<ddp::group>> device_shard;
+  std::optional<ddp::sharded_data_parallel<flat_params<float>, ddp::group, device_shard_step<ddp::group>>> device_sharded;
+#endif
+  const auto with_sharded = [&](auto&& f) {  // the sharded wrapper of this run (--zero 1, 2)
+#if defined(__CUDACC__)
+    if (device_sharded) return f(*device_sharded);
+#endif
+    return f(*sharded);
+  };
   // --precision bf16 / fp16: rounds the model's parameters, builds its own wrapper for --zero.
   std::optional<mixed_precision> mixed_step;
   // The sharded wrapper copies its master shard from the parameters when it is built: after a
   // resume has loaded them (below).
   if (o.zero == 0 && !mixed) replicated.emplace(params, group);
-  const auto mark_ready = [&](std::size_t i) { replicated ? replicated->mark_ready(i) : sharded->mark_ready(i); };
+  const auto mark_ready = [&](std::size_t i) {
+    replicated ? replicated->mark_ready(i) : with_sharded([&](auto& w) { w.mark_ready(i); });
+  };
   if (host_mirrors) model.set_values(host_values);
   // The optimizer that the checkpoints save and load (the host one, or the device one of nccl).
   const auto save_optimizer = [&](optimizer_snapshot& out) {
@@ -582,10 +592,16 @@ int run_distributed(const options& o, Gemm gemm) {
     ddp::checkpoint::save(group, o.checkpoint_dir, step, st, {.keep = o.keep});
     rep.checkpoints_saved.push_back(step);
   };
-  if (o.zero > 0 && !mixed) {
+  if (o.zero > 0 && !mixed && !on_device) {
     sharded.emplace(params, group, shard_step, ddp::sharded_options{.stage = o.zero});
     if (host_mirrors) model.set_values(host_values);
   }
+#if defined(__CUDACC__)
+  if (o.zero > 0 && on_device) {
+    device_shard.emplace(*device_optimizer, group, o.clip);
+    device_sharded.emplace(params, group, *device_shard, ddp::sharded_options{.stage = o.zero});
+  }
+#endif
   if (mixed) {
     mixed_step.emplace(o, group, optimizer, model.slots(), params.values);
     if (rep.resumed_from_step >= 0) mixed_step->restore(saved.precision);
@@ -637,7 +653,7 @@ int run_distributed(const options& o, Gemm gemm) {
         loss = model.forward_backward(data, batch, [&](int i) { mark_ready(std::size_t(i)); });
         backward_done = clock::now();
         // Waits for the bucket reductions: the gradients (ZeRO: this rank's shard) are the mean over ranks.
-        replicated ? replicated->finish() : sharded->finish();
+        replicated ? replicated->finish() : with_sharded([](auto& w) { w.finish(); });
       }
       const auto synchronized = clock::now();
       const double step_lr = lr.at(step++);
@@ -648,13 +664,15 @@ int run_distributed(const options& o, Gemm gemm) {
         model.sgd_step(step_lr);
       } else {
         optimizer.set_lr(step_lr);
-        if (sharded) {
-          sharded->step();  // the shard's clip and step, then the parameters are complete again
+#if defined(__CUDACC__)
+        if (device_optimizer) device_optimizer->set_lr(step_lr);
+#endif
+        if (o.zero > 0) {
+          with_sharded([](auto& w) { w.step(); });  // the shard's clip and step, then the parameters are complete again
         } else if (!on_device) {
           step_replicated(optimizer, o.clip, model.slots(), params.values, params.grads);
         } else {
 #if defined(__CUDACC__)
-          device_optimizer->set_lr(step_lr);
           step_replicated_on_device(*device_optimizer, o.clip, params.values, params.grads);
 #endif
         }

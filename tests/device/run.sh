@@ -19,7 +19,8 @@
 #    (W = 1, and W = 2 with 2+ GPUs), the host-side logic, the benchmark's checked short sweep;
 # 3. train_ddp_cuda --init-seed 0 (NCCL backend; exact and cuBLAS GEMM) against the CPU build's
 #    printed lines, within 1e-4; with 2+ GPUs also as two ranks (--nproc-per-node 2); the same with
-#    --optimizer adamw --clip (ddp/optim/cuda.hpp on device memory) and with --zero 1 over the
+#    --optimizer adamw --clip (ddp/optim/cuda.hpp on device memory), --zero 1 and 2 on device
+#    shards over nccl, and with --zero 1 over the
 #    ring backend (host mirrors);
 # 4. ddp_bench_nccl: the all-reduce busbw sweep through ddp next to ncclAllReduce called directly
 #    (the ratio is the wrapper's cost; goal >= 0.95 from 64 KiB), in place (as DDP calls it) and
@@ -151,8 +152,13 @@ if [ "$gpus" -ge 1 ]; then
   # ddp/optim/cuda.hpp on the parameters in device memory (nccl), clipped on the device.
   step "train_ddp_cuda --optimizer adamw --clip vs cpu, 1 rank" train_check w1_adamw_clip --optimizer adamw --clip 0.05
   step "train_ddp_cuda --optimizer adamw --zero 1 --backend ring vs cpu, 1 rank" zero_check
+  # ZeRO on device memory over nccl: device shards, device_shard_step's sharded clip, device AdamW.
+  step "train_ddp_cuda --optimizer adamw --clip --zero 2 (nccl, device shards) vs cpu, 1 rank" \
+    train_check w1_adamw_clip_zero2 --optimizer adamw --clip 0.05 --zero 2
   if [ "$gpus" -ge 2 ]; then
     step "train_ddp_cuda vs cpu, 2 ranks" train_check w2 --nproc-per-node 2
+    step "train_ddp_cuda --optimizer sgd --momentum --zero 1 (nccl, device shards) vs cpu, 2 ranks" \
+      train_check w2_sgd_zero1 --nproc-per-node 2 --optimizer sgd --momentum 0.9 --zero 1
   fi
   step "nccl all-reduce sweep, in place" "$build/bench/nccl/ddp_bench_nccl" --np "$gpus" --check
   step "nccl all-reduce sweep, out of place" "$build/bench/nccl/ddp_bench_nccl" --np "$gpus" --check --out-of-place
