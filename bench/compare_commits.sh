@@ -40,7 +40,10 @@ raw=$work/raw.csv
 for rep in $(seq 1 "$reps"); do
   for cfg in $configs; do
     IFS=: read -r np transport buffer <<< "$cfg"
-    for side in old new; do
+    # Odd repetitions run old first, even ones new first: in one run with old always first,
+    # sizes whose code both sides share read new/old 0.75-0.9, a bias on every ratio.
+    sides="old new"; [ $((rep % 2)) = 0 ] && sides="new old"
+    for side in $sides; do
       timeout 300 ${RUNNER:-} "$work/build-$side/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport "$transport" --buffer "$buffer" \
           --min-bytes "$min_bytes" --max-bytes "$max_bytes" --csv 2>/dev/null | tail -n +2 | sed "s/^/$side,/" >> "$raw"
     done
