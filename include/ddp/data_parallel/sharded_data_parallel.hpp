@@ -474,8 +474,13 @@ class sharded_data_parallel {
   std::span<const T> shard_parameters() const noexcept { return master_; }
   std::span<const T> shard_gradients() const noexcept { return shard_grads_; }
   /// Writable, to restore a checkpoint's master shard when the model's parameters are of a lower
-  /// precision (their rounded values cannot give it back); between steps, on every rank.
-  std::span<T> shard_parameters() noexcept { return master_; }
+  /// precision (their rounded values cannot give it back); between steps, on every rank. The
+  /// all-gathers step() left in flight read the master shard: they are completed first.
+  std::span<T> shard_parameters() {
+    std::lock_guard lock(mutex_);
+    complete_gathers_locked();
+    return master_;
+  }
   sharded_stats stats() const {
     std::lock_guard lock(mutex_);
     sharded_stats s = stats_;
