@@ -346,6 +346,69 @@ TEST_CASE("shm collectives: small all_reduce / reduce with group buffers on some
   }
 }
 
+TEST_CASE("shm collectives: back-to-back calls of changing sizes across the small, direct and staged paths, with mixed buffers") {
+  // A small staging area so that a few KiB cross every threshold: small (slot) up to 1 KiB, direct
+  // (each rank's whole buffer in one half of staging, halves alternating by call) up to
+  // 8 KiB / (p - 1), staged chunks above. Broadcasts and all_gathers through the staging chunks
+  // come between the all-reduces, and some calls mix shared and ordinary buffers: no call may
+  // read a peer's staged copy of another call, whatever came before it.
+  comm_t::options opts;
+  opts.small_bytes = 1024;
+  opts.chunk_bytes = 4096;
+  opts.depth = 4;
+  opts.direct_bytes = 8192;
+  for (int p : {2, 3, 4, 8}) {
+    run_group(
+        p, "shmrot",
+        [p](int rank, comm_t& comm) {
+          std::uint64_t seq = 0;
+          auto shared = comm.allocate<double>(4096, ddp::deadline::after(30s));
+          const std::size_t counts[] = {3, 100, 129, 300, 700, 1023, 1024, 1500, 2049, 3000};
+          constexpr std::size_t n_counts = sizeof counts / sizeof counts[0];
+          for (std::size_t call = 0; call < 240; ++call) {
+            const std::size_t n = counts[(call * 7 + call / n_counts) % n_counts];
+            const std::size_t shift = call * 13;
+            // Every fifth call: only even ranks pass shared memory; every seventh: all do.
+            const bool use_shared = (call % 5 == 0 && rank % 2 == 0) || call % 7 == 0;
+            std::vector<double> own(n);
+            const std::span<double> data = use_shared ? shared.span().first(n) : std::span<double>(own);
+            for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
+            const auto what = "call " + std::to_string(call) + " n=" + std::to_string(n);
+            const int root = call % 4 == 3 ? static_cast<int>(call / 4) % p : -1;
+            if (root < 0) {
+              comm.all_reduce(data, ddp::sum{}, make_desc(++seq, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(60s));
+              for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "all_reduce " + what, i);
+            } else {
+              comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype::float64, n, reduce_kind::sum, root),
+                          ddp::deadline::after(60s));
+              for (std::size_t i = 0; i < n; ++i) {
+                if (rank == root) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "reduce " + what, i);
+                else expect_equal(data[i], input<double>(rank, i + shift), "reduce (non-root) " + what, i);
+              }
+            }
+            if (call % 3 == 1) {  // staged chunks of another collective in between
+              std::vector<float> b(1000 + call % 5 * 700);
+              const int from = static_cast<int>(call) % p;
+              for (std::size_t i = 0; i < b.size(); ++i) b[i] = rank == from ? input<float>(from, i + shift) : -1.0f;
+              comm.broadcast(std::span<float>(b), from, make_desc(++seq, collective::broadcast, ddp::dtype::float32, b.size(), reduce_kind::sum, from),
+                             ddp::deadline::after(60s));
+              for (std::size_t i = 0; i < b.size(); ++i) expect_equal(b[i], input<float>(from, i + shift), "broadcast after " + what, i);
+            } else if (call % 3 == 2) {
+              const std::size_t m = 900 + call % 4 * 300;
+              std::vector<float> in(m), out(m * static_cast<std::size_t>(p));
+              for (std::size_t i = 0; i < m; ++i) in[i] = input<float>(rank, i + shift);
+              comm.all_gather(std::span<const float>(in), std::span<float>(out), make_desc(++seq, collective::all_gather, ddp::dtype::float32, m),
+                              ddp::deadline::after(60s));
+              for (int j = 0; j < p; ++j)
+                for (std::size_t i = 0; i < m; ++i)
+                  expect_equal(out[static_cast<std::size_t>(j) * m + i], input<float>(j, i + shift), "all_gather after " + what, i);
+            }
+          }
+        },
+        opts);
+  }
+}
+
 TEST_CASE("shm collectives: zero copy with each rank's buffer in a different group allocation, at an offset") {
   // Usually every rank passes its part of the same allocation; here rank r passes allocation
   // r % 3 of three, starting r + 1 elements in, so the peers' buffers are looked up by id.

@@ -14,6 +14,10 @@
 //    its 1/p slice reading the peers' buffers in place and writes the result into every
 //    buffer (all_reduce) or the root's (reduce), or copies straight out of the peers' buffers
 //    (broadcast, all_gather, reduce_scatter, all_to_all); one more flag handoff at the end.
+//  - direct (all_reduce / reduce of ordinary memory up to options::direct_bytes / (p - 1)): each
+//    rank copies its buffer into one half of its staging area (halves alternate by call) before
+//    its header, and every rank that needs the result reduces every rank's copy straight into its
+//    own buffer. One flag handoff, where the staged pipeline has three.
 //  - staged (ordinary memory): chunks of options::chunk_bytes go through each rank's staging
 //    area, `depth` chunks in flight: copy-in of chunk k+1 overlaps the peers' reduction of
 //    chunk k. all_reduce: copy in, reduce own slice in place in staging, copy every slice out.
@@ -57,6 +61,10 @@ class shm_communicator {
     std::size_t small_bytes = 8192;          // largest per-rank payload sent with the header
     std::size_t small_zero_copy_bytes = 1024;  // small all-reduce / reduce on shared buffers from here: zero copy
     std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
+    // All-reduce / reduce of ordinary buffers up to this many bytes times (p - 1): every rank
+    // stages its whole buffer (in one half of its staging area) with its header, and reduces every
+    // rank's staged copy straight into its own buffer. Capped at half the staging area.
+    std::size_t direct_bytes = 64 << 10;
     std::size_t streaming_copy_bytes = 128 << 10;  // staging chunks up to this size are copied in with streaming stores
     int depth = 4;                           // staging chunks per rank (>= 2)
     std::size_t p2p_ring_bytes = 1 << 20;    // send/recv ring per ordered pair
@@ -329,6 +337,7 @@ class shm_communicator {
     if (o.depth < 2) throw error(errc::invalid_argument, "shm_communicator: depth must be at least 2 (got " + std::to_string(o.depth) + ")");
     if (o.chunk_bytes < 4096 || o.chunk_bytes % 64 != 0)
       throw error(errc::invalid_argument, "shm_communicator: chunk_bytes must be a multiple of 64, at least 4096");
+    o.direct_bytes = std::min(o.direct_bytes, static_cast<std::size_t>(o.depth) * o.chunk_bytes / 2);
     return o;
   }
 
@@ -626,10 +635,61 @@ class shm_communicator {
         f(src.data(), size_, &dst, 1, n);
         return;
       }
+      if (bytes * static_cast<std::size_t>(size_ - 1) <= opts_.direct_bytes) {
+        direct_reduce(c, data, n, f, root, d, dl);
+        return;
+      }
       enter_with_buffer(c, d, dl, data, bytes, false);
       if (reduce_zero_copy(c, n, f, root, d, dl)) return;
       staged_reduce(data, n, f, root, d, dl);
     });
+  }
+
+  // Half c % 2 of this rank's staging area: the direct path's copy for call c. A rank writes it
+  // before it waits for the peers' headers of call c, while they may still be in call c - 1;
+  // they all entered c - 1, so none still reads call c - 2's copy (which used this half).
+  std::byte* direct_area(int r, std::uint64_t c) const noexcept {
+    return base(r) + layout_.staging_offset() + (c & 1u) * (static_cast<std::size_t>(opts_.depth) * opts_.chunk_bytes / 2);
+  }
+
+  // The pipelines' chunks of earlier calls may lie anywhere in staging: before the direct path
+  // writes there, every peer has finished reading them (at once when the last call was not staged).
+  void wait_staging_free(const collective_desc& d, deadline dl) {
+    if (staging_released_ == chunks_) return;
+    wait_counter(shm_direct::done, chunks_, -1, d, dl, "release a staging chunk");
+    staging_released_ = chunks_;
+  }
+
+  // all_reduce / reduce of ordinary memory (see direct at the top): each rank copies its buffer
+  // into its staging area (or, when it lies in a shared buffer, offers it in place) and publishes
+  // its header; the next call's copy goes to the other half of staging. All shared, the zero-copy
+  // path; a mix (rare), a second round, all staged.
+  void direct_reduce(std::uint64_t c, std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root,
+                     const collective_desc& d, deadline dl) {
+    const std::size_t bytes = n * f.element_size;
+    const auto mine = allocations_ > 0 ? describe(data, bytes, false) : shm_direct::buffer_descriptor{};
+    wait_staging_free(d, dl);
+    if (mine.kind != 1) copy_to_staging(direct_area(rank_, c), data, bytes, bytes);
+    publish(c, d, nullptr, 0, &mine);
+    enter(c, d, dl);
+    std::uint64_t data_call = c;
+    if (allocations_ > 0) {
+      int shared = 0;
+      for (int j = 0; j < size_; ++j) shared += descriptor_of(j, c).kind == 1 ? 1 : 0;
+      if (shared == size_ && reduce_zero_copy(c, n, f, root, d, dl)) return;
+      if (shared != 0) {
+        data_call = ++calls_;
+        const shm_direct::buffer_descriptor staged{};
+        copy_to_staging(direct_area(rank_, data_call), data, bytes, bytes);
+        publish(data_call, d, nullptr, 0, &staged);
+        enter(data_call, d, dl);
+      }
+    }
+    if (root >= 0 && rank_ != root) return;
+    ptrs<const std::byte> src(size_);
+    for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data : direct_area(j, data_call);
+    std::byte* dst = data;
+    f(src.data(), size_, &dst, 1, n);
   }
 
   // How this rank walks its slice of a shared buffer it writes: even slices downwards, odd ones
@@ -811,6 +871,7 @@ class shm_communicator {
   std::vector<std::shared_ptr<ddp::detail::shared_allocation>> held_;  // other allocations the running call reads (resolve)
   std::uint64_t calls_ = 0;        // collective calls (slot numbers), the same on every rank
   std::uint64_t chunks_ = 0;       // staged chunks so far
+  std::uint64_t staging_released_ = 0;  // staged chunks every peer is known to have finished reading
   std::uint64_t syncs_ = 0;        // zero-copy end-of-call handoffs so far
   std::uint64_t allocations_ = 0;  // shared buffers allocated so far
   std::optional<error> failed_;
