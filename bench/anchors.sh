@@ -10,6 +10,8 @@
 # the ddp systems always run. Writes bench/results/anchors_raw.csv, anchors.csv (medians),
 # anchors.md (times and ratios) and anchors_{busbw,latency}_p{N}.png.
 #   REPS=5 NPS=2 MAX_BYTES=67108864 SYSTEMS="ddp-shm-user impi-shm ..." RESULTS_DIR=dir
+# RUNNER: a command every system's runs go under (not the builds), e.g. RUNNER="chrt -f 10" on a
+# machine busy with compilers (as for bench/compare_commits.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -120,14 +122,14 @@ run_system() {
   local system=$1 np=$2
   shift 2
   case $system in
-    ddp-shm-group) timeout "$limit" "$build/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport shm --buffer group --system "$system" "$@" ;;
-    ddp-shm-user)  timeout "$limit" "$build/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport shm --buffer user --system "$system" "$@" ;;
-    impi-shm)      timeout "$limit" "${impi_env[@]}" "$venv/bin/mpirun" -n "$np" "$anchors/impi_bench_allreduce" --in-place --system "$system" "$@" ;;
-    impi-shm-heap) timeout "$limit" "${impi_env[@]}" I_MPI_SHM_HEAP=1 "$venv/bin/mpirun" -n "$np" "$anchors/impi_bench_allreduce" --in-place --alloc-mem --system "$system" "$@" ;;
-    mpich-shm)     timeout "$limit" mpirun.mpich -n "$np" "$anchors/mpich_bench_allreduce" --in-place --system "$system" "$@" ;;
-    oneccl-shm)    timeout "$limit" "${ccl_env[@]}" "$anchors/oneccl_bench_allreduce" --np "$np" --system "$system" "$@" ;;
-    openmpi-shm-inplace) OMPI_MCA_btl=self,vader timeout "$limit" mpirun "${mpirun_flags[@]}" -n "$np" "$build/bench/compare/mpi_bench_allreduce" --in-place --system "$system" "$@" ;;
-    deepspeed-shm) timeout "$limit" "$torch_venv/bin/python" "$here/compare/deepspeed_allreduce.py" --np "$np" --system "$system" "$@" ;;
+    ddp-shm-group) timeout "$limit" ${RUNNER:-} "$build/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport shm --buffer group --system "$system" "$@" ;;
+    ddp-shm-user)  timeout "$limit" ${RUNNER:-} "$build/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport shm --buffer user --system "$system" "$@" ;;
+    impi-shm)      timeout "$limit" ${RUNNER:-} "${impi_env[@]}" "$venv/bin/mpirun" -n "$np" "$anchors/impi_bench_allreduce" --in-place --system "$system" "$@" ;;
+    impi-shm-heap) timeout "$limit" ${RUNNER:-} "${impi_env[@]}" I_MPI_SHM_HEAP=1 "$venv/bin/mpirun" -n "$np" "$anchors/impi_bench_allreduce" --in-place --alloc-mem --system "$system" "$@" ;;
+    mpich-shm)     timeout "$limit" ${RUNNER:-} mpirun.mpich -n "$np" "$anchors/mpich_bench_allreduce" --in-place --system "$system" "$@" ;;
+    oneccl-shm)    timeout "$limit" ${RUNNER:-} "${ccl_env[@]}" "$anchors/oneccl_bench_allreduce" --np "$np" --system "$system" "$@" ;;
+    openmpi-shm-inplace) OMPI_MCA_btl=self,vader timeout "$limit" ${RUNNER:-} mpirun "${mpirun_flags[@]}" -n "$np" "$build/bench/compare/mpi_bench_allreduce" --in-place --system "$system" "$@" ;;
+    deepspeed-shm) timeout "$limit" ${RUNNER:-} "$torch_venv/bin/python" "$here/compare/deepspeed_allreduce.py" --np "$np" --system "$system" "$@" ;;
   esac
 }
 
