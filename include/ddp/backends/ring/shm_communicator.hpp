@@ -6,8 +6,7 @@
 // into its slot for the call, then waits until every peer's slot carries the same call number,
 // and checks every peer's header before it reads any data (errc::mismatch on every rank,
 // describing both calls). Then, by size and buffer kind:
-//  - small (a rank's payload <= options::small_bytes, 8 KiB; all_reduce / reduce up to
-//    small_reduce_bytes, 2 KiB): the data came with the header;
+//  - small (a rank's payload <= options::small_bytes, 8 KiB): the data came with the header;
 //    each rank reduces / copies what it needs from the peers' slots. One flag handoff. From
 //    options::small_zero_copy_bytes (1 KiB) an all-reduce / reduce also says where its buffer is,
 //    and takes the zero-copy path below when every rank's is shared.
@@ -61,9 +60,6 @@ class shm_communicator {
   struct options {
     std::size_t small_bytes = 8192;          // largest per-rank payload sent with the header
     std::size_t small_zero_copy_bytes = 1024;  // small all-reduce / reduce on shared buffers from here: zero copy
-    // Largest all-reduce / reduce sent with the header where the direct path would take it (up to
-    // small_bytes): the direct path's copy in with streaming stores beat the slot's from 4 KiB.
-    std::size_t small_reduce_bytes = 2048;
     std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
     // All-reduce / reduce of ordinary buffers up to this many bytes times (p - 1): every rank
     // stages its whole buffer (in one half of its staging area) with its header, and reduces every
@@ -602,8 +598,7 @@ class shm_communicator {
     run(d, [&] {
       const std::uint64_t c = ++calls_;
       const std::size_t es = f.element_size, bytes = n * es;
-      const bool direct = bytes * static_cast<std::size_t>(size_ - 1) <= opts_.direct_bytes;
-      if (bytes <= opts_.small_bytes && (bytes <= opts_.small_reduce_bytes || !direct)) {
+      if (bytes <= opts_.small_bytes) {
         // Shared buffers of a few KiB: reducing one slice in place, with no copy into the slot,
         // beats folding the whole message from every slot from about 1 KiB (p = 2; below it the
         // slots win).
@@ -640,7 +635,7 @@ class shm_communicator {
         f(src.data(), size_, &dst, 1, n);
         return;
       }
-      if (direct) {
+      if (bytes * static_cast<std::size_t>(size_ - 1) <= opts_.direct_bytes) {
         direct_reduce(c, data, n, f, root, d, dl);
         return;
       }
