@@ -11,13 +11,11 @@ Each configuration also keeps the final parameters of the same job in float32
 mixed-precision run from the float32 one. train_ddp_test runs train_ddp with the same options and
 --zero 0, 1 and 2 against this.
 """
-import json
-import os
 import platform
 
 import torch
 
-from make_zero_golden import ROOT, run
+from make_zero_golden import run, write_golden
 
 CONFIGS = {  # name: (world, options besides --init-seed 0 --zero 0)
     "W2_bf16_adamw": (2, ["--precision", "bf16", "--optimizer", "adamw"]),
@@ -59,11 +57,7 @@ def main():
         entry["fp32_final_params_bits"] = run(world, without_precision(options), zero=0, kept=["final_params_bits"])[
             "final_params_bits"]
         golden[name] = entry
-    path = os.path.join(ROOT, "tests", "data", "precision_golden.json")
-    with open(path, "w") as f:
-        json.dump(golden, f, indent=1)
-        f.write("\n")
-    print("wrote", path)
+    write_golden(golden, "precision_golden.json")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,14 @@ def run(world, options, zero=1, kept=KEPT):
     return {k: r[k] for k in kept}
 
 
+def write_golden(golden, name):
+    path = os.path.join(ROOT, "tests", "data", name)
+    with open(path, "w") as f:
+        json.dump(golden, f, indent=1)
+        f.write("\n")
+    print("wrote", path)
+
+
 def main():
     golden = {"meta": {
         "how": "tests/scripts/make_zero_golden.py: torchrun --standalone --nproc-per-node W "
@@ -57,11 +65,7 @@ def main():
     for name, (world, options) in CONFIGS.items():
         print(f"{name}: W = {world}, {' '.join(options)}", flush=True)
         golden[name] = {"world_size": world, "options": options, **run(world, options)}
-    path = os.path.join(ROOT, "tests", "data", "zero_golden.json")
-    with open(path, "w") as f:
-        json.dump(golden, f, indent=1)
-        f.write("\n")
-    print("wrote", path)
+    write_golden(golden, "zero_golden.json")
 
 
 if __name__ == "__main__":
