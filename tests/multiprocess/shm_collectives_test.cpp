@@ -218,6 +218,24 @@ ddp::collective_desc make_desc(std::uint64_t seq, collective op, ddp::dtype t, s
   return d;
 }
 
+// all_reduce (root < 0) or reduce to root of rank's float64 inputs shifted by `shift`, checked
+// against the closed form (a reduce leaves the other ranks' inputs as they were).
+void reduce_and_check(comm_t& comm, std::span<double> data, int root, int rank, int p, std::size_t shift, std::uint64_t& seq,
+                      const std::string& what) {
+  const std::size_t n = data.size();
+  if (root < 0) {
+    comm.all_reduce(data, ddp::sum{}, make_desc(++seq, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(60s));
+    for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "all_reduce " + what, i);
+    return;
+  }
+  comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype::float64, n, reduce_kind::sum, root),
+              ddp::deadline::after(60s));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (rank == root) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "reduce " + what, i);
+    else expect_equal(data[i], input<double>(rank, i + shift), "reduce (non-root) " + what, i);
+  }
+}
+
 // A buffer of n elements: ordinary memory, or from the group (every rank allocates in the same order).
 template <class E>
 struct test_buffer {
@@ -327,18 +345,8 @@ TEST_CASE("shm collectives: small all_reduce / reduce with group buffers on some
             // Different values in every call: stale slot contents must not pass for this call's.
             const std::size_t shift = static_cast<std::size_t>(seq) * 7;
             for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
-            const auto what = "n=" + std::to_string(n) + " pattern " + std::to_string(pattern) + " root " + std::to_string(root);
-            if (root < 0) {
-              comm.all_reduce(data, ddp::sum{}, make_desc(++seq, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(60s));
-              for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "all_reduce " + what, i);
-            } else {
-              comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype::float64, n, reduce_kind::sum, root),
-                          ddp::deadline::after(60s));
-              for (std::size_t i = 0; i < n; ++i) {
-                if (rank == root) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "reduce " + what, i);
-                else expect_equal(data[i], input<double>(rank, i + shift), "reduce (non-root) " + what, i);
-              }
-            }
+            reduce_and_check(comm, data, root, rank, p, shift, seq,
+                             "n=" + std::to_string(n) + " pattern " + std::to_string(pattern) + " root " + std::to_string(root));
           }
         }
       }
@@ -375,17 +383,7 @@ TEST_CASE("shm collectives: back-to-back calls of changing sizes across the smal
             for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
             const auto what = "call " + std::to_string(call) + " n=" + std::to_string(n);
             const int root = call % 4 == 3 ? static_cast<int>(call / 4) % p : -1;
-            if (root < 0) {
-              comm.all_reduce(data, ddp::sum{}, make_desc(++seq, collective::all_reduce, ddp::dtype::float64, n), ddp::deadline::after(60s));
-              for (std::size_t i = 0; i < n; ++i) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "all_reduce " + what, i);
-            } else {
-              comm.reduce(data, root, ddp::sum{}, make_desc(++seq, collective::reduce, ddp::dtype::float64, n, reduce_kind::sum, root),
-                          ddp::deadline::after(60s));
-              for (std::size_t i = 0; i < n; ++i) {
-                if (rank == root) expect_near(data[i], reference<double>(p, i + shift, reduce_kind::sum), "reduce " + what, i);
-                else expect_equal(data[i], input<double>(rank, i + shift), "reduce (non-root) " + what, i);
-              }
-            }
+            reduce_and_check(comm, data, root, rank, p, shift, seq, what);
             if (call % 3 == 1) {  // staged chunks of another collective in between
               std::vector<float> b(1000 + call % 5 * 700);
               const int from = static_cast<int>(call) % p;
