@@ -398,8 +398,7 @@ class sharded_data_parallel {
     try {
       visit_storage(param_type_, [&](auto tag) { gather_parameters<typename decltype(tag)::type>(); });
       if (options_.overlap_all_gather && world_ > 1) {
-        for (const auto& s : slots_) gathers_in_flight_ += s.job == job_kind::gather ? 1 : 0;
-        stats_.all_gathers_overlapped += gathers_in_flight_;
+        stats_.all_gathers_overlapped += static_cast<std::uint64_t>(std::count_if(slots_.begin(), slots_.end(), holds_gather));
       } else {
         complete_all();
       }
@@ -429,7 +428,6 @@ class sharded_data_parallel {
                   "wait_parameter(" + std::to_string(i) + "): the model has " + std::to_string(params_.size()) + " parameters",
                   context());
     }
-    if (gathers_in_flight_ == 0) return;
     const std::size_t bucket = bucket_of_[i];
     const auto holds = [&](const slot& s) { return s.job == job_kind::gather && s.bucket == bucket; };
     if (std::none_of(slots_.begin(), slots_.end(), holds)) return;  // done already, or an empty bucket
@@ -439,7 +437,6 @@ class sharded_data_parallel {
         if (s.job != job_kind::gather) continue;
         const bool last = holds(s);
         complete(s);
-        --gathers_in_flight_;
         if (last) break;
       }
     } catch (...) {
@@ -515,6 +512,9 @@ class sharded_data_parallel {
     job_kind job = job_kind::none;
     std::size_t bucket = 0;
   };
+  // A slot holding an all-gather: after step() only those remain, the ones left in flight
+  // (overlap_all_gather) until a wait or the next call completes them.
+  static bool holds_gather(const slot& s) noexcept { return s.job == job_kind::gather; }
   struct bucket_state {
     std::size_t pending = 0;
     bool ready = false;
@@ -809,14 +809,13 @@ class sharded_data_parallel {
   // The all-gathers step() left in flight, completed oldest first; on a failure every collective
   // is drained and the parameters keep what they had.
   void complete_gathers_locked() {
-    if (gathers_in_flight_ == 0) return;
+    if (std::none_of(slots_.begin(), slots_.end(), holds_gather)) return;
     try {
       complete_all();
     } catch (...) {
       drain_locked();
       throw;
     }
-    gathers_in_flight_ = 0;
   }
 
   // Waits for every buffer in turn, oldest first.
@@ -876,7 +875,6 @@ class sharded_data_parallel {
   }
 
   void drain_locked() noexcept {
-    gathers_in_flight_ = 0;
     for (auto& s : slots_) {
       auto w = std::exchange(s.work, detail::any_work{});
       s.job = job_kind::none;
@@ -921,7 +919,6 @@ class sharded_data_parallel {
   std::size_t next_slot_ = 0;
   std::vector<bucket_state> state_;
   std::vector<std::size_t> gather_order_;  // bucket indices, the one holding parameter 0 first
-  std::size_t gathers_in_flight_ = 0;      // all-gathers step() left running (overlap_all_gather)
   std::vector<std::size_t> bucket_of_;
   std::vector<unsigned char> marked_;
   std::size_t marked_count_ = 0;
