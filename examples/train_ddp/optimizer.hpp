@@ -31,12 +31,6 @@
 
 namespace train {
 
-/// Whether the run uses the tutorial's plain SGD step (the model's own update kernel).
-inline bool plain_sgd(const options& o) {
-  return o.optimizer == "sgd" && o.momentum == 0 && o.weight_decay.value_or(0) == 0 && o.clip == 0 && o.zero == 0 &&
-         o.precision == "fp32";
-}
-
 /// What a checkpoint keeps of the optimizer: torch's state["step"] and its buffers (empty when the
 /// optimizer has none; with --zero 1 and 2, this rank's shard of them).
 struct optimizer_snapshot {

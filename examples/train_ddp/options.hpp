@@ -68,6 +68,12 @@ struct options {
   double loss_scale = 65536.0;     // fp16: the grad scaler's initial scale (torch.amp.GradScaler's init_scale)
 };
 
+/// Whether the run uses the tutorial's plain SGD step (the model's own update kernel).
+inline bool plain_sgd(const options& o) {
+  return o.optimizer == "sgd" && o.momentum == 0 && o.weight_decay.value_or(0) == 0 && o.clip == 0 && o.zero == 0 &&
+         o.precision == "fp32";
+}
+
 /// --dataset digits: the values that reach >= 0.9 held-out accuracy at every world size of the
 /// strong-scaling report (examples/train_ddp/README.md, "Digits"). Applied to options not given.
 struct digits_defaults {
@@ -158,6 +164,7 @@ inline options parse_options(int argc, char** argv) {
                          ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
+    if (wd->count() > 0) o.weight_decay = weight_decay;
     if (o.momentum > 0 && o.optimizer != "sgd") throw CLI::ValidationError("--momentum", "is an sgd option");
     if (o.checkpoint_dir.empty() && (o.checkpoint_every > 0 || o.no_resume || o.allow_world_size_change))
       throw CLI::ValidationError("--checkpoint-every/--no-resume/--allow-world-size-change", "need --checkpoint-dir");
@@ -165,9 +172,7 @@ inline options parse_options(int argc, char** argv) {
       throw CLI::ValidationError("--first-epoch/--max-steps", "are not supported with --simulate-world");
     if (!o.checkpoint_dir.empty() && o.simulate_world > 0)
       throw CLI::ValidationError("--checkpoint-dir", "is not supported with --simulate-world");
-    const bool plain_sgd = o.optimizer == "sgd" && o.momentum == 0 && (wd->count() == 0 || weight_decay == 0) &&
-                           o.clip == 0 && o.zero == 0 && o.precision == "fp32";
-    if (!plain_sgd && o.simulate_world > 0)
+    if (!plain_sgd(o) && o.simulate_world > 0)
       throw CLI::ValidationError("--optimizer/--momentum/--weight-decay/--clip/--zero/--precision",
                                  "are not supported with --simulate-world");
     if (loss_scale->count() > 0 && o.precision != "fp16") throw CLI::ValidationError("--loss-scale", "needs --precision fp16");
@@ -188,7 +193,6 @@ inline options parse_options(int argc, char** argv) {
     std::exit(app.exit(e));
   }
   if (init->count() > 0) o.init_seed = init_seed;
-  if (wd->count() > 0) o.weight_decay = weight_decay;
   return o;
 }
 

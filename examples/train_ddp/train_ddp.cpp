@@ -657,17 +657,16 @@ int run_distributed(const options& o, Gemm gemm) {
       }
       const auto synchronized = clock::now();
       const double step_lr = lr.at(step++);
-      if (mixed_step) {
-        optimizer.set_lr(step_lr);
-        mixed_step->step(params.grads, params.values);
-      } else if (plain) {
+      if (plain) {
         model.sgd_step(step_lr);
       } else {
         optimizer.set_lr(step_lr);
 #if defined(__CUDACC__)
         if (device_optimizer) device_optimizer->set_lr(step_lr);
 #endif
-        if (o.zero > 0) {
+        if (mixed_step) {
+          mixed_step->step(params.grads, params.values);
+        } else if (o.zero > 0) {
           with_sharded([](auto& w) { w.step(); });  // the shard's clip and step, then the parameters are complete again
         } else if (!on_device) {
           step_replicated(optimizer, o.clip, model.slots(), params.values, params.grads);
