@@ -119,4 +119,58 @@ TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1
   }
 }
 
+TEST_CASE("tcp processes: a rank whose neighbour gives up on a SIGSTOPped rank 0 first fails by its own deadline, naming rank 0") {
+  // Rank 2's timeout is the longer: rank 1 gives up on the stopped rank 0 first and closes its
+  // connections, so rank 2 sees a lost neighbour while rank 0 is only suspect to the heartbeat
+  // (whose verdict is due later than rank 2's deadline). Rank 2 must fail by its own deadline,
+  // naming the suspect, not wait for the verdict.
+  constexpr int p = 3;
+  const auto timeout_of = [](int r) { return r == 2 ? std::chrono::milliseconds(3000) : std::chrono::milliseconds(2000); };
+  const int port = ddp::test::free_loopback_port();
+  temp_file pid_file;
+  const auto result = ddp::test::run_ranks(
+      p,
+      [&](int r) {
+        ddp::test::set_torchrun_variables(r, p, port);
+        ::setenv("DDP_HEARTBEAT_TIMEOUT", "5", 1);  // the default, pinned: its verdict must come after rank 2's deadline
+        auto group = ddp::init_process_group("tcp", {.timeout = timeout_of(r), .init_timeout = 30s});
+        std::vector<float> data(std::size_t{1} << 16, 1.0f);
+        for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
+        group.barrier();
+        if (r == 0) {
+          std::ofstream(pid_file.path) << ::getpid() << "\n";
+          ::raise(SIGSTOP);
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        std::string what, message;
+        try {
+          group.all_reduce(std::span<float>(data));
+        } catch (const ddp::error& e) {
+          what = e.what();
+          message = e.message();
+        }
+        const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+        std::printf("took_ms=%lld %s\n", static_cast<long long>(took.count()), what.c_str());
+        if (r == 2) {
+          // Rank 1 is done with rank 0 by now: stop it from outliving the test.
+          int pid0 = 0;
+          std::ifstream(pid_file.path) >> pid0;
+          if (pid0 > 0) ::kill(pid0, SIGKILL);
+        }
+        check(!what.empty(), "all_reduce returned with rank 0 stopped");
+        check(took <= timeout_of(r) * 11 / 10, "the failure took " + std::to_string(took.count()) + " ms");
+        if (r == 2) check(ddp::test::first_named_rank(message) == 0, "does not name rank 0 first: " + what);
+      },
+      60s);
+  INFO(result.describe());
+  for (const auto& rr : result.ranks) {
+    if (rr.rank == 0) {
+      CHECK(rr.signal == SIGKILL);
+    } else {
+      CHECK(rr.ok());
+    }
+  }
+}
+
 }  // namespace ddp_test_tcp_failure

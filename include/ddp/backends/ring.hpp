@@ -202,26 +202,26 @@ class ring_backend {
       case collective::all_reduce:
         return visit_dtype(c.type, [&](auto tag) {
           using T = typename decltype(tag)::type;
-          with([&](auto& comm) { comm.all_reduce(std::span<T>(static_cast<T*>(c.out), c.out_count), op, d, dl); });
+          with(dl, [&](auto& comm) { comm.all_reduce(std::span<T>(static_cast<T*>(c.out), c.out_count), op, d, dl); });
         });
       case collective::reduce:
         return visit_dtype(c.type, [&](auto tag) {
           using T = typename decltype(tag)::type;
-          with([&](auto& comm) { comm.reduce(std::span<T>(static_cast<T*>(c.out), c.out_count), c.root, op, d, dl); });
+          with(dl, [&](auto& comm) { comm.reduce(std::span<T>(static_cast<T*>(c.out), c.out_count), c.root, op, d, dl); });
         });
       case collective::reduce_scatter:
         return visit_dtype(c.type, [&](auto tag) {
           using T = typename decltype(tag)::type;
-          with([&](auto& comm) {
+          with(dl, [&](auto& comm) {
             comm.reduce_scatter(std::span<const T>(static_cast<const T*>(c.in), c.in_count), std::span<T>(static_cast<T*>(c.out), c.out_count), op, d, dl);
           });
         });
-      case collective::broadcast: return with([&](auto& comm) { comm.broadcast(out, c.root, d, dl); });
-      case collective::all_gather: return with([&](auto& comm) { comm.all_gather(in, out, d, dl); });
-      case collective::all_to_all: return with([&](auto& comm) { comm.all_to_all(in, out, d, dl); });
-      case collective::barrier: return with([&](auto& comm) { comm.barrier(d, dl); });
-      case collective::send: return with([&](auto& comm) { comm.send(in, c.root, d, dl); });
-      case collective::recv: return with([&](auto& comm) { comm.recv(out, c.root, d, dl); });
+      case collective::broadcast: return with(dl, [&](auto& comm) { comm.broadcast(out, c.root, d, dl); });
+      case collective::all_gather: return with(dl, [&](auto& comm) { comm.all_gather(in, out, d, dl); });
+      case collective::all_to_all: return with(dl, [&](auto& comm) { comm.all_to_all(in, out, d, dl); });
+      case collective::barrier: return with(dl, [&](auto& comm) { comm.barrier(d, dl); });
+      case collective::send: return with(dl, [&](auto& comm) { comm.send(in, c.root, d, dl); });
+      case collective::recv: return with(dl, [&](auto& comm) { comm.recv(out, c.root, d, dl); });
     }
     throw error(errc::unavailable, std::string(to_string(c.op)) + " is not offered by the ring backend", d.context(s_->rank));
   }
@@ -236,11 +236,11 @@ class ring_backend {
   template <dtype_like T, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void all_reduce(std::span<T> data, Op op, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.all_reduce(data, op, d, dl); });
+    with(dl, [&](auto& c) { c.all_reduce(data, op, d, dl); });
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.broadcast(std::as_writable_bytes(data), root, d, dl); });
+    with(dl, [&](auto& c) { c.broadcast(std::as_writable_bytes(data), root, d, dl); });
   }
   template <dtype_like T, builtin_reduce_op Op>
   void reduce(std::span<T> data, int root, Op, const collective_desc& d, deadline dl) {
@@ -249,7 +249,7 @@ class ring_backend {
   template <dtype_like T, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void reduce(std::span<T> data, int root, Op op, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.reduce(data, root, op, d, dl); });
+    with(dl, [&](auto& c) { c.reduce(data, root, op, d, dl); });
   }
   template <dtype_like T, builtin_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op, const collective_desc& d, deadline dl) {
@@ -258,7 +258,7 @@ class ring_backend {
   template <dtype_like T, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& d, deadline dl) {
-    with([&](auto& c) { c.reduce_scatter(in, out, op, d, dl); });
+    with(dl, [&](auto& c) { c.reduce_scatter(in, out, op, d, dl); });
   }
 
   // Without process_group (the ddp::backend concept): a sequence of its own, the set-up timeout.
@@ -410,14 +410,15 @@ class ring_backend {
     }
   };
 
+  // `dl`: the collective's deadline, which bounds how long a failure waits for the heartbeat's word.
   template <class F>
-  void with(F&& f) {
+  void with(const deadline& dl, F&& f) {
     try {
       if (s_->shm) f(*s_->shm);
       else if (s_->hier) f(*s_->hier);
       else f(*s_->tcp);
     } catch (const error& e) {
-      explain(e);
+      explain(e, dl);
       throw;
     }
   }
@@ -426,7 +427,7 @@ class ring_backend {
   // silent rank, its host and what was seen, rather than the neighbour whose connection closed.
   // Over shared memory a peer seen exited may have exited because another rank died: the store
   // knows which (a departure), or is gone with its host, the likelier cause then.
-  [[gnu::cold]] [[gnu::noinline]] void explain(const error& e) const {
+  [[gnu::cold]] [[gnu::noinline]] void explain(const error& e, const deadline& dl) const {
     if (e.code() != errc::peer_lost && e.code() != errc::timeout) return;
     if (s_->monitor) {
       // A deadline is the collective's own verdict: take the heartbeat's only when it is in.
@@ -435,7 +436,7 @@ class ring_backend {
         std::lock_guard lock(s_->liveness->mutex);
         verdict = s_->liveness->verdict;
       } else {
-        verdict = s_->liveness->verdict_after_suspicion();
+        verdict = s_->liveness->verdict_after_suspicion(dl.time_point());
       }
       if (verdict) throw error(errc::peer_lost, *verdict, e.context());
     }

@@ -94,8 +94,10 @@ struct status {
   }
 
   /// The verdict, waiting for it while a peer is suspect (silent for several beats) and the
-  /// verdict on it is due within the timeout: what a collective that lost a peer reports.
-  std::optional<std::string> verdict_after_suspicion() const {
+  /// verdict on it is due, but not past `until` (the failing collective's deadline: a collective
+  /// never fails later than its timeout for want of the heartbeat's word). What a collective that
+  /// lost a peer reports: the verdict, else the suspect when `until` came first, else nothing.
+  std::optional<std::string> verdict_after_suspicion(clock::time_point until) const {
     std::unique_lock lock(mutex);
     if (timeout.count() <= 0) return std::nullopt;
     const auto suspect_after = std::chrono::duration_cast<clock::duration>(timeout * 0.375);
@@ -103,15 +105,31 @@ struct status {
     while (!verdict) {
       const auto now = clock::now();
       std::optional<clock::time_point> due;
+      std::size_t suspect = 0;
       for (std::size_t r = 0; r < watched.size(); ++r) {
         if (!watched[r] || now - last_heard[r] < suspect_after) continue;
         const auto at = last_heard[r] + timeout + slack;
-        if (!due || at < *due) due = at;
+        if (!due || at < *due) {
+          due = at;
+          suspect = r;
+        }
       }
       if (!due || now >= *due) break;
-      changed.wait_until(lock, *due);
+      if (now >= until) return describe_suspect(suspect, now);
+      changed.wait_until(lock, std::min(*due, until));
     }
     return verdict;
+  }
+
+  /// What the monitor knows of each rank ("rank R (host H, pid P)"), for the messages.
+  std::vector<std::string> names;
+
+ private:
+  std::string describe_suspect(std::size_t r, clock::time_point now) const {
+    char text[96];
+    std::snprintf(text, sizeof text, " for %.1f s (declared lost after %.1f s of silence; the collective's deadline came first)",
+                  std::chrono::duration<double>(now - last_heard[r]).count(), std::chrono::duration<double>(timeout).count());
+    return "no heartbeat from " + (r < names.size() ? names[r] : "rank " + std::to_string(r)) + text;
   }
 };
 
@@ -255,6 +273,9 @@ class liveness_monitor {
       s_->last_heard.assign(static_cast<std::size_t>(size), clock::now());
       s_->watched.assign(static_cast<std::size_t>(size), true);
       s_->watched[static_cast<std::size_t>(rank)] = false;
+      s_->names.resize(static_cast<std::size_t>(size));
+      for (const auto& p : peers_)
+        if (p.rank >= 0) s_->names[static_cast<std::size_t>(p.rank)] = name_of(p);
     }
     thread_ = std::thread([this] { loop(); });
   }
@@ -357,11 +378,15 @@ class liveness_monitor {
   std::string describe_silent(const peer_entry& p, clock::duration silent) const {
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%.1f", std::chrono::duration<double>(silent).count());
-    std::string who = "rank " + std::to_string(p.rank) + " (host " + p.host + ", pid " + std::to_string(p.pid) + ")";
+    const std::string who = name_of(p);
     if (p.pidfd.get() >= 0 && process_stopped(p.pid)) {
       return "no heartbeat from " + who + " for " + seconds + " s: the process is stopped (SIGSTOP or a debugger)";
     }
     return "no heartbeat from " + who + " for " + seconds + " s: the process is stopped, or its host or the network is down";
+  }
+
+  static std::string name_of(const peer_entry& p) {
+    return "rank " + std::to_string(p.rank) + " (host " + p.host + ", pid " + std::to_string(p.pid) + ")";
   }
 
   // State 'T' (stopped) or 't' (traced) in /proc/<pid>/stat.
