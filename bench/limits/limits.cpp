@@ -2,6 +2,7 @@
 //   ddp_bench_limits --probe [--copy] [sweep flags]   the bare two-process shared-memory all-reduce
 //                                                      (the "limit" line), same columns as ddp_bench_allreduce
 //   ddp_bench_limits --bandwidth                       memcpy with 1 and 2 threads, loopback TCP stream
+//                                                      one way and both ways at once
 //
 // The probe: both ranks' buffers live in one shared mapping; each rank adds its half of the
 // peer's buffer into its own and writes the sum into both (in place, no copies), then a spin
@@ -9,7 +10,9 @@
 // library must for ordinary user buffers.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -139,6 +142,65 @@ double tcp_stream_gbs(std::size_t total) {
   return static_cast<double>(got) / t / 1e9;
 }
 
+// Both directions at once over one loopback connection, as a 2-rank ring all-reduce runs: each
+// process sends `total` bytes and receives `total` bytes from one thread with non-blocking
+// sockets and poll (the ring transport's own way). Returns the bytes per second of one direction:
+// the busbw a p = 2 TCP all-reduce could reach if it did nothing but move bytes.
+double tcp_duplex_gbs(std::size_t total) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::listen(listener, 1);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  // Both sides start their transfer only once both are connected and ready (one byte each way).
+  auto exchange = [total](int fd) {
+    const int one = 1, buffer_bytes = 4 << 20;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer_bytes, sizeof buffer_bytes);
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer_bytes, sizeof buffer_bytes);
+    char ready = 1;
+    if (::send(fd, &ready, 1, 0) != 1 || ::recv(fd, &ready, 1, MSG_WAITALL) != 1) return -1.0;
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    std::vector<char> out(std::size_t{1} << 20, 7), in(std::size_t{1} << 20);
+    const auto start = std::chrono::steady_clock::now();
+    std::size_t sent = 0, got = 0;
+    while (sent < total || got < total) {
+      pollfd p{fd, static_cast<short>((sent < total ? POLLOUT : 0) | (got < total ? POLLIN : 0)), 0};
+      if (::poll(&p, 1, 10'000) <= 0) return -1.0;
+      if ((p.revents & POLLOUT) != 0) {
+        const ssize_t n = ::send(fd, out.data(), std::min(out.size(), total - sent), MSG_NOSIGNAL);
+        if (n > 0) sent += static_cast<std::size_t>(n);
+        else if (n < 0 && errno != EAGAIN) return -1.0;
+      }
+      if ((p.revents & (POLLIN | POLLHUP)) != 0) {
+        const ssize_t n = ::recv(fd, in.data(), std::min(in.size(), total - got), 0);
+        if (n > 0) got += static_cast<std::size_t>(n);
+        else if (n == 0 || errno != EAGAIN) return -1.0;
+      }
+    }
+    return seconds(std::chrono::steady_clock::now() - start).count();
+  };
+  const pid_t child = ::fork();
+  if (child == 0) {
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ::_exit(1);
+    const double t = exchange(s);
+    ::close(s);
+    ::_exit(t > 0 ? 0 : 1);
+  }
+  const int c = ::accept(listener, nullptr, nullptr);
+  const double t = exchange(c);
+  ::close(c);
+  ::close(listener);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (t <= 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) return 0.0;
+  return static_cast<double>(total) / t / 1e9;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,14 +221,18 @@ int main(int argc, char** argv) {
   if (bandwidth) {
     const std::size_t bytes = std::size_t{64} << 20;
     const double one = memcpy_gbs(1, bytes), two = memcpy_gbs(2, bytes), tcp = tcp_stream_gbs(std::size_t{1} << 30);
+    const double duplex = tcp_duplex_gbs(std::size_t{1} << 30);
     if (options.csv) {
-      std::printf("limit,value_gbs\nmemcpy_1thread,%.3f\nmemcpy_2threads,%.3f\ntcp_loopback_stream,%.3f\n", one, two, tcp);
+      std::printf("limit,value_gbs\nmemcpy_1thread,%.3f\nmemcpy_2threads,%.3f\ntcp_loopback_stream,%.3f\ntcp_loopback_duplex,%.3f\n", one, two,
+                  tcp, duplex);
     } else {
       std::printf("memcpy, 1 thread (64 MiB):   %7.2f GB/s\n", one);
       std::printf("memcpy, 2 threads (64 MiB):  %7.2f GB/s\n", two);
       std::printf("TCP loopback stream (1 GiB): %7.2f GB/s\n", tcp);
-      // A 2-rank ring all-reduce moves each byte across the link once each way: busbw <= link rate.
-      std::printf("best achievable busbw, TCP, p=2: about %.2f GB/s (one stream per direction)\n", tcp);
+      std::printf("TCP loopback, both ways at once (1 GiB each way): %7.2f GB/s each way\n", duplex);
+      // A 2-rank ring all-reduce moves each byte across the link once each way, both ways at the
+      // same time: busbw <= the rate of one direction while the other runs too.
+      std::printf("best achievable busbw, TCP, p=2: about %.2f GB/s (both ways at once)\n", duplex);
     }
     return 0;
   }
