@@ -103,7 +103,11 @@ double memcpy_gbs(int threads, std::size_t bytes) {
   return static_cast<double>(bytes) * reps / seconds(std::chrono::steady_clock::now() - start).count() / 1e9;
 }
 
-double tcp_stream_gbs(std::size_t total) {
+// A loopback connection between this process and a forked child: the child runs child(fd) on its
+// end (true: it went right), this process parent(fd) on the other. parent's result, or 0 when
+// either side failed.
+template <class Child, class Parent>
+double over_loopback(Child child, Parent parent) {
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -112,34 +116,45 @@ double tcp_stream_gbs(std::size_t total) {
   ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
   ::listen(listener, 1);
   ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::vector<char> buffer(std::size_t{1} << 20, 7);
-  const pid_t child = ::fork();
-  if (child == 0) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
     const int s = ::socket(AF_INET, SOCK_STREAM, 0);
     if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ::_exit(1);
-    std::size_t sent = 0;
-    while (sent < total) {
-      const ssize_t n = ::send(s, buffer.data(), std::min(buffer.size(), total - sent), 0);
-      if (n <= 0) ::_exit(1);
-      sent += static_cast<std::size_t>(n);
-    }
+    const bool ok = child(s);
     ::close(s);
-    ::_exit(0);
+    ::_exit(ok ? 0 : 1);
   }
   const int c = ::accept(listener, nullptr, nullptr);
-  const auto start = std::chrono::steady_clock::now();
-  std::size_t got = 0;
-  while (got < total) {
-    const ssize_t n = ::recv(c, buffer.data(), buffer.size(), 0);
-    if (n <= 0) break;
-    got += static_cast<std::size_t>(n);
-  }
-  const double t = seconds(std::chrono::steady_clock::now() - start).count();
+  const double result = parent(c);
   ::close(c);
   ::close(listener);
   int status = 0;
-  ::waitpid(child, &status, 0);
-  return static_cast<double>(got) / t / 1e9;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 && result > 0 ? result : 0.0;
+}
+
+// One way: the child sends `total` bytes, this process receives them.
+double tcp_stream_gbs(std::size_t total) {
+  std::vector<char> buffer(std::size_t{1} << 20, 7);
+  return over_loopback(
+      [&](int fd) {
+        for (std::size_t sent = 0; sent < total;) {
+          const ssize_t n = ::send(fd, buffer.data(), std::min(buffer.size(), total - sent), 0);
+          if (n <= 0) return false;
+          sent += static_cast<std::size_t>(n);
+        }
+        return true;
+      },
+      [&](int fd) {
+        const auto start = std::chrono::steady_clock::now();
+        std::size_t got = 0;
+        while (got < total) {
+          const ssize_t n = ::recv(fd, buffer.data(), buffer.size(), 0);
+          if (n <= 0) break;
+          got += static_cast<std::size_t>(n);
+        }
+        return static_cast<double>(got) / seconds(std::chrono::steady_clock::now() - start).count() / 1e9;
+      });
 }
 
 // Both directions at once over one loopback connection, as a 2-rank ring all-reduce runs: each
@@ -147,14 +162,6 @@ double tcp_stream_gbs(std::size_t total) {
 // sockets and poll (the ring transport's own way). Returns the bytes per second of one direction:
 // the busbw a p = 2 TCP all-reduce could reach if it did nothing but move bytes.
 double tcp_duplex_gbs(std::size_t total) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::listen(listener, 1);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
   // Both sides start their transfer only once both are connected and ready (one byte each way).
   auto exchange = [total](int fd) {
     const int one = 1, buffer_bytes = 4 << 20;
@@ -183,22 +190,11 @@ double tcp_duplex_gbs(std::size_t total) {
     }
     return seconds(std::chrono::steady_clock::now() - start).count();
   };
-  const pid_t child = ::fork();
-  if (child == 0) {
-    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ::_exit(1);
-    const double t = exchange(s);
-    ::close(s);
-    ::_exit(t > 0 ? 0 : 1);
-  }
-  const int c = ::accept(listener, nullptr, nullptr);
-  const double t = exchange(c);
-  ::close(c);
-  ::close(listener);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  if (t <= 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) return 0.0;
-  return static_cast<double>(total) / t / 1e9;
+  return over_loopback([&](int fd) { return exchange(fd) > 0; },
+                       [&](int fd) {
+                         const double t = exchange(fd);
+                         return t > 0 ? static_cast<double>(total) / t / 1e9 : 0.0;
+                       });
 }
 
 }  // namespace

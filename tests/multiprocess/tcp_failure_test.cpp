@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <span>
 #include <string>
@@ -38,6 +39,48 @@ struct temp_file {
     return n;
   }
 };
+
+// What a rank saw of the all_reduce it started after rank 0 stopped.
+struct failed_call {
+  std::chrono::milliseconds took{0};
+  std::string what, message;  // empty when the call returned
+};
+
+// Rank r of p over tcp (torchrun's variables, port): warm up, then rank 0 (the store's host) stops
+// itself after writing its pid to pid_file, and every other rank times its next all_reduce.
+// The store's own timeout is long: a failure path that waited on it would show.
+// Rank 0 returns nothing once it is continued or killed.
+std::optional<failed_call> all_reduce_with_rank0_stopped(int r, int p, int port, std::chrono::milliseconds timeout,
+                                                         const temp_file& pid_file) {
+  ddp::test::set_torchrun_variables(r, p, port);
+  auto group = ddp::init_process_group("tcp", {.timeout = timeout, .init_timeout = 30s});
+  std::vector<float> data(std::size_t{1} << 16, 1.0f);
+  for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
+  group.barrier();
+  if (r == 0) {
+    std::ofstream(pid_file.path) << ::getpid() << "\n";
+    ::raise(SIGSTOP);
+    return std::nullopt;
+  }
+  failed_call call;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    group.all_reduce(std::span<float>(data));
+  } catch (const ddp::error& e) {
+    call.what = e.what();
+    call.message = e.message();
+  }
+  call.took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  std::printf("took_ms=%lld %s\n", static_cast<long long>(call.took.count()), call.what.c_str());
+  return call;
+}
+
+// SIGKILLs the stopped rank 0, which the harness would otherwise wait for until its deadline.
+void kill_stopped_rank0(const temp_file& pid_file) {
+  int pid0 = 0;
+  std::ifstream(pid_file.path) >> pid0;
+  if (pid0 > 0) ::kill(pid0, SIGKILL);
+}
 
 }  // namespace
 
@@ -80,32 +123,11 @@ TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1
   const auto result = ddp::test::run_ranks(
       p,
       [&](int r) {
-        ddp::test::set_torchrun_variables(r, p, port);
-        // The store's own timeout is long: a failure path that waited on it would show.
-        auto group = ddp::init_process_group("tcp", {.timeout = timeout, .init_timeout = 30s});
-        std::vector<float> data(std::size_t{1} << 16, 1.0f);
-        for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
-        group.barrier();
-        if (r == 0) {
-          std::ofstream(pid_file.path) << ::getpid() << "\n";
-          ::raise(SIGSTOP);
-          return;
-        }
-        const auto start = std::chrono::steady_clock::now();
-        std::string what;
-        try {
-          group.all_reduce(std::span<float>(data));
-        } catch (const ddp::error& e) {
-          what = e.what();
-        }
-        const auto took = std::chrono::steady_clock::now() - start;
-        std::printf("took_ms=%lld %s\n", static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
-                    what.c_str());
-        int pid0 = 0;
-        std::ifstream(pid_file.path) >> pid0;
-        if (pid0 > 0) ::kill(pid0, SIGKILL);  // the harness would wait for it until its deadline
-        check(!what.empty(), "all_reduce returned with rank 0 stopped");
-        check(took <= timeout * 11 / 10, "the failure took " + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms");
+        const auto call = all_reduce_with_rank0_stopped(r, p, port, timeout, pid_file);
+        if (!call) return;
+        kill_stopped_rank0(pid_file);
+        check(!call->what.empty(), "all_reduce returned with rank 0 stopped");
+        check(call->took <= timeout * 11 / 10, "the failure took " + std::to_string(call->took.count()) + " ms");
       },
       60s);
   INFO(result.describe());
@@ -131,36 +153,13 @@ TEST_CASE("tcp processes: a rank whose neighbour gives up on a SIGSTOPped rank 0
   const auto result = ddp::test::run_ranks(
       p,
       [&](int r) {
-        ddp::test::set_torchrun_variables(r, p, port);
         ::setenv("DDP_HEARTBEAT_TIMEOUT", "5", 1);  // the default, pinned: its verdict must come after rank 2's deadline
-        auto group = ddp::init_process_group("tcp", {.timeout = timeout_of(r), .init_timeout = 30s});
-        std::vector<float> data(std::size_t{1} << 16, 1.0f);
-        for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
-        group.barrier();
-        if (r == 0) {
-          std::ofstream(pid_file.path) << ::getpid() << "\n";
-          ::raise(SIGSTOP);
-          return;
-        }
-        const auto start = std::chrono::steady_clock::now();
-        std::string what, message;
-        try {
-          group.all_reduce(std::span<float>(data));
-        } catch (const ddp::error& e) {
-          what = e.what();
-          message = e.message();
-        }
-        const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-        std::printf("took_ms=%lld %s\n", static_cast<long long>(took.count()), what.c_str());
-        if (r == 2) {
-          // Rank 1 is done with rank 0 by now: stop it from outliving the test.
-          int pid0 = 0;
-          std::ifstream(pid_file.path) >> pid0;
-          if (pid0 > 0) ::kill(pid0, SIGKILL);
-        }
-        check(!what.empty(), "all_reduce returned with rank 0 stopped");
-        check(took <= timeout_of(r) * 11 / 10, "the failure took " + std::to_string(took.count()) + " ms");
-        if (r == 2) check(ddp::test::first_named_rank(message) == 0, "does not name rank 0 first: " + what);
+        const auto call = all_reduce_with_rank0_stopped(r, p, port, timeout_of(r), pid_file);
+        if (!call) return;
+        if (r == 2) kill_stopped_rank0(pid_file);  // rank 1 is done with rank 0 by now
+        check(!call->what.empty(), "all_reduce returned with rank 0 stopped");
+        check(call->took <= timeout_of(r) * 11 / 10, "the failure took " + std::to_string(call->took.count()) + " ms");
+        if (r == 2) check(ddp::test::first_named_rank(call->message) == 0, "does not name rank 0 first: " + call->what);
       },
       60s);
   INFO(result.describe());
