@@ -51,9 +51,9 @@ struct failed_call {
 // The store's own timeout is long: a failure path that waited on it would show.
 // Rank 0 returns nothing once it is continued or killed.
 std::optional<failed_call> all_reduce_with_rank0_stopped(int r, int p, int port, std::chrono::milliseconds timeout,
-                                                         const temp_file& pid_file) {
+                                                         const temp_file& pid_file, const std::string& backend = "tcp") {
   ddp::test::set_torchrun_variables(r, p, port);
-  auto group = ddp::init_process_group("tcp", {.timeout = timeout, .init_timeout = 30s});
+  auto group = ddp::init_process_group(backend, {.timeout = timeout, .init_timeout = 30s});
   std::vector<float> data(std::size_t{1} << 16, 1.0f);
   for (int step = 0; step < 5; ++step) group.all_reduce(std::span<float>(data));
   group.barrier();
@@ -141,11 +141,13 @@ TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1
   }
 }
 
-TEST_CASE("tcp processes: a rank whose neighbour gives up on a SIGSTOPped rank 0 first fails by its own deadline, naming rank 0") {
+TEST_CASE("tcp and shm processes: a rank whose neighbour gives up on a SIGSTOPped rank 0 first fails by its own deadline, naming rank 0") {
   // Rank 2's timeout is the longer: rank 1 gives up on the stopped rank 0 first and closes its
   // connections, so rank 2 sees a lost neighbour while rank 0 is only suspect to the heartbeat
   // (whose verdict is due later than rank 2's deadline). Rank 2 must fail by its own deadline,
   // naming the suspect, not wait for the verdict.
+  const std::string backend = GENERATE(as<std::string>{}, "tcp", "ring");  // ring: shared memory, one host
+  INFO("backend " << backend);
   constexpr int p = 3;
   const auto timeout_of = [](int r) { return r == 2 ? std::chrono::milliseconds(3000) : std::chrono::milliseconds(2000); };
   const int port = ddp::test::free_loopback_port();
@@ -154,7 +156,7 @@ TEST_CASE("tcp processes: a rank whose neighbour gives up on a SIGSTOPped rank 0
       p,
       [&](int r) {
         ::setenv("DDP_HEARTBEAT_TIMEOUT", "5", 1);  // the default, pinned: its verdict must come after rank 2's deadline
-        const auto call = all_reduce_with_rank0_stopped(r, p, port, timeout_of(r), pid_file);
+        const auto call = all_reduce_with_rank0_stopped(r, p, port, timeout_of(r), pid_file, backend);
         if (!call) return;
         if (r == 2) kill_stopped_rank0(pid_file);  // rank 1 is done with rank 0 by now
         check(!call->what.empty(), "all_reduce returned with rank 0 stopped");
