@@ -60,6 +60,7 @@
 #include "ddp/data_parallel/collective_group.hpp"
 #include "ddp/data_parallel/distributed_data_parallel.hpp"
 #include "ddp/data_parallel/group_traits.hpp"
+#include "ddp/data_parallel/no_sync_guard.hpp"
 #include "ddp/data_parallel/options.hpp"
 #include "ddp/data_parallel/stats.hpp"
 #include "ddp/data_parallel/waitable.hpp"

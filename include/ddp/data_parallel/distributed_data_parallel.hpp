@@ -30,6 +30,7 @@
 #include "ddp/data_parallel/bucket_view.hpp"
 #include "ddp/data_parallel/collective_group.hpp"
 #include "ddp/data_parallel/group_traits.hpp"
+#include "ddp/data_parallel/no_sync_guard.hpp"
 #include "ddp/data_parallel/options.hpp"
 #include "ddp/data_parallel/stats.hpp"
 #include "ddp/data_parallel/waitable.hpp"
@@ -65,23 +66,7 @@ class distributed_data_parallel {
   using group_type = Group;
   using hook_type = std::function<detail::any_work(const bucket_view&, Group&)>;
 
-  class no_sync_guard {
-   public:
-    explicit no_sync_guard(distributed_data_parallel& owner) : owner_(&owner) {}
-    no_sync_guard(no_sync_guard&& other) noexcept : owner_(std::exchange(other.owner_, nullptr)) {}
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(no_sync_guard&&) = delete;
-    ~no_sync_guard() {
-      if (owner_ != nullptr) {
-        std::lock_guard lock(owner_->mutex_);
-        --owner_->no_sync_depth_;
-      }
-    }
-
-   private:
-    distributed_data_parallel* owner_;
-  };
+  using no_sync_guard = ddp::no_sync_guard;
 
   distributed_data_parallel(Params& model, Group& group, data_parallel_options options = {})
       : model_(&model), group_(&group), options_(options), params_(ddp::parameters(model)) {
@@ -230,7 +215,7 @@ class distributed_data_parallel {
                   context());
     }
     ++no_sync_depth_;
-    return no_sync_guard(*this);
+    return no_sync_guard(mutex_, no_sync_depth_);
   }
 
   /// Replaces the default all-reduce (avg) of every bucket. The hook gets the bucket and the group,

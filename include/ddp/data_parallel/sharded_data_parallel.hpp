@@ -129,6 +129,7 @@
 #include "ddp/data_parallel/collective_group.hpp"
 #include "ddp/data_parallel/distributed_data_parallel.hpp"
 #include "ddp/data_parallel/group_traits.hpp"
+#include "ddp/data_parallel/no_sync_guard.hpp"
 #include "ddp/data_parallel/options.hpp"
 #include "ddp/data_parallel/shard_layout.hpp"
 #include "ddp/data_parallel/waitable.hpp"
@@ -253,23 +254,7 @@ class sharded_data_parallel {
   using value_type = typename Optimizer::value_type;
   using T = value_type;
 
-  class no_sync_guard {
-   public:
-    explicit no_sync_guard(sharded_data_parallel& owner) : owner_(&owner) {}
-    no_sync_guard(no_sync_guard&& other) noexcept : owner_(std::exchange(other.owner_, nullptr)) {}
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(no_sync_guard&&) = delete;
-    ~no_sync_guard() {
-      if (owner_ != nullptr) {
-        std::lock_guard lock(owner_->mutex_);
-        --owner_->no_sync_depth_;
-      }
-    }
-
-   private:
-    sharded_data_parallel* owner_;
-  };
+  using no_sync_guard = ddp::no_sync_guard;
 
   /// The model, group and optimizer must outlive the wrapper (held by reference).
   sharded_data_parallel(Params& model, Group& group, Optimizer& optimizer, sharded_options options = {})
@@ -457,7 +442,7 @@ class sharded_data_parallel {
                   context());
     }
     ++no_sync_depth_;
-    return no_sync_guard(*this);
+    return no_sync_guard(mutex_, no_sync_depth_);
   }
 
   const std::vector<parameter_ref>& parameters() const noexcept { return params_; }
