@@ -82,6 +82,18 @@ void kill_stopped_rank0(const temp_file& pid_file) {
   if (pid0 > 0) ::kill(pid0, SIGKILL);
 }
 
+// Rank 0 ended by SIGKILL, every other rank passed its checks.
+void check_rank0_killed_others_ok(const ddp::test::run_result& result) {
+  INFO(result.describe());
+  for (const auto& rr : result.ranks) {
+    if (rr.rank == 0) {
+      CHECK(rr.signal == SIGKILL);
+    } else {
+      CHECK(rr.ok());
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("tcp processes: rank 0 (the store's host) SIGKILLed mid all_reduce is named first by every survivor") {
@@ -105,14 +117,7 @@ TEST_CASE("tcp processes: rank 0 (the store's host) SIGKILLed mid all_reduce is 
         check(false, "all_reduce went on without rank 0");
       },
       60s);
-  INFO(result.describe());
-  for (const auto& rr : result.ranks) {
-    if (rr.rank == 0) {
-      CHECK(rr.signal == SIGKILL);
-    } else {
-      CHECK(rr.ok());
-    }
-  }
+  check_rank0_killed_others_ok(result);
 }
 
 TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1.1 x the collective's timeout") {
@@ -130,15 +135,7 @@ TEST_CASE("tcp processes: a SIGSTOPped rank 0 (the store's host) costs at most 1
         check(call->took <= timeout * 11 / 10, "the failure took " + std::to_string(call->took.count()) + " ms");
       },
       60s);
-  INFO(result.describe());
-  for (const auto& rr : result.ranks) {
-    if (rr.rank == 0) {
-      CHECK(rr.signal == SIGKILL);
-    } else {
-      CHECK(rr.ok());
-      WARN("rank " << rr.rank << ": " << rr.output);
-    }
-  }
+  check_rank0_killed_others_ok(result);
 }
 
 TEST_CASE("tcp and shm processes: a rank whose neighbour gives up on a SIGSTOPped rank 0 first fails by its own deadline, naming rank 0") {
@@ -164,14 +161,7 @@ TEST_CASE("tcp and shm processes: a rank whose neighbour gives up on a SIGSTOPpe
         if (r == 2) check(ddp::test::first_named_rank(call->message) == 0, "does not name rank 0 first: " + call->what);
       },
       60s);
-  INFO(result.describe());
-  for (const auto& rr : result.ranks) {
-    if (rr.rank == 0) {
-      CHECK(rr.signal == SIGKILL);
-    } else {
-      CHECK(rr.ok());
-    }
-  }
+  check_rank0_killed_others_ok(result);
 }
 
 }  // namespace ddp_test_tcp_failure
