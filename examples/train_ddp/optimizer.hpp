@@ -140,9 +140,8 @@ inline void step_replicated_on_device(chosen_device_optimizer& opt, double clip,
 }
 
 /// --zero 1 and 2 on device memory (CUDA build, nccl): sharded_data_parallel hands this rank's
-/// device shard to this step, which clips it with the global norm (its squared norm in double,
-/// all-reduced once, as ddp::optim::clip_grad_norm's sharded form on the host) and steps it with
-/// the device optimizer. The shard gradient arrives read-only, so a clip works on a device copy.
+/// device shard to this step, which clips it with the global norm (ddp::optim::cuda::clip_grad_norm's
+/// sharded form: one all-reduce of the squared norm in double) and steps it with the device optimizer. The shard gradient arrives read-only, so a clip works on a device copy.
 template <class Group>
 class device_shard_step {
  public:
@@ -157,9 +156,7 @@ class device_shard_step {
     const std::span<float> mine(thrust::raw_pointer_cast(grads_.data()), grads.size());
     ddp::detail::cuda_check(cudaMemcpy(mine.data(), grads.data(), grads.size_bytes(), cudaMemcpyDeviceToDevice),
                             "train_ddp: cudaMemcpy of the shard gradient");
-    double squared = ddp::optim::cuda::total_norm_squared(std::span<const float>(mine));
-    group_->all_reduce(std::span<double>(&squared, 1), ddp::sum{});
-    ddp::optim::cuda::clip_grads_with_norm(std::vector<std::span<float>>{mine}, clip_, static_cast<float>(std::sqrt(squared)));
+    ddp::optim::cuda::clip_grad_norm(*group_, std::vector<std::span<float>>{mine}, clip_, ddp::optim::grad_layout::sharded);
     inner_->step(params, std::span<const float>(mine));
   }
 

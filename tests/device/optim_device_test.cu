@@ -309,4 +309,39 @@ TEST_CASE("optim::cuda: clip_grads_with_norm bit for bit, total_norm_squared nea
   CHECK(difference(db.download(), b).empty());
 }
 
+// Stands for the other ranks of a group: all_reduce(sum) adds their squared norms to this rank's.
+struct other_shards_group {
+  double others_squared = 0.0;
+  int calls = 0;
+  void all_reduce(std::span<double> x, ddp::sum) {
+    x[0] += others_squared;
+    ++calls;
+  }
+};
+
+TEST_CASE("optim::cuda::clip_grad_norm: the sharded form all-reduces once, the replicated form not at all; both clip by the norm of the sum of squares") {
+  gpu_or_skip();
+  std::mt19937_64 gen(17);
+  for (const auto layout : {optim::grad_layout::sharded, optim::grad_layout::replicated}) {
+    const bool sharded = layout == optim::grad_layout::sharded;
+    std::vector<float> shard = random_values<float>(100003, 1.0, gen);
+    device_array<float> d(shard.size(), nullptr);
+    d.upload(shard);
+    other_shards_group group{.others_squared = 2.5e4};
+    const float total = optim::cuda::clip_grad_norm(group, std::vector<std::span<float>>{d.span()}, 1.0, layout);
+    CHECK(group.calls == (sharded ? 1 : 0));
+    // The reference: the host's sum of squares in double (another order than the device's tree,
+    // so the totals may differ in their last float bit), then the host's clip with it.
+    const double squared = optim::total_norm_squared(std::span<const float>(shard)) + (sharded ? group.others_squared : 0.0);
+    const auto expected = static_cast<float>(std::sqrt(squared));
+    CHECK(std::abs(total - expected) <= std::numeric_limits<float>::epsilon() * expected);
+    optim::clip_grads_with_norm(std::vector<std::span<float>>{std::span(shard)}, 1.0, expected);
+    const auto clipped = d.download();
+    for (std::size_t i = 0; i < shard.size(); ++i) {
+      if (std::abs(clipped[i] - shard[i]) > 2 * std::numeric_limits<float>::epsilon() * std::abs(shard[i])) {
+        FAIL("element " << i << ": " << clipped[i] << " on the device, " << shard[i] << " on the host");
+      }
+    }
+  }
+}
 }  // namespace ddp_optim_device_tests

@@ -12,6 +12,8 @@
 //   unscale(grads, scaler)            grad_scaler::unscale on device memory; records found_inf in the
 //                                     scaler and returns this span's verdict
 //   clip_grads_with_norm(grads, max_norm, total)   clip.hpp's, bit for bit
+//   clip_grad_norm(group, grads, max_norm, layout) distributed.hpp's, over device gradients: the
+//                                     sharded form all-reduces one double, a host scalar
 //   total_norm_squared(grads)         clip.hpp's sum of squares in double, summed in another order
 //                                     (a tree, not left to right), so it may differ in the last bits
 //
@@ -43,6 +45,7 @@
 #include <thrust/transform_reduce.h>
 
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -54,6 +57,7 @@
 #include "ddp/backends/cuda_memory.hpp"
 #include "ddp/optim/adamw.hpp"
 #include "ddp/optim/clip.hpp"
+#include "ddp/optim/distributed.hpp"
 #include "ddp/optim/grad_scaler.hpp"
 #include "ddp/optim/sgd.hpp"
 
@@ -397,6 +401,22 @@ T clip_grads_with_norm(const std::vector<std::span<T>>& grads, double max_norm, 
     detail::check_launch("ddp::optim::cuda::clip_grads_with_norm: kernel launch");
   }
   return coef;
+}
+
+/// distributed.hpp's clip_grad_norm over gradients in device memory: torch.nn.utils.clip_grad_norm_
+/// across a group; returns the total norm (before clipping), the same on every rank. replicated:
+/// every rank holds the same gradients, so its own norm is the total (no communication); sharded:
+/// one all_reduce(sum) of this rank's squared norm in double (a host scalar, so any group will do),
+/// then every shard *= clip_coefficient(max_norm, total). The squares are summed as
+/// total_norm_squared sums them (a tree), so the total may differ from the host's in the last bits.
+template <class Group, device_floating_point T>
+T clip_grad_norm(Group& group, const std::vector<std::span<T>>& grads, double max_norm, grad_layout layout, cudaStream_t stream = nullptr) {
+  double squared = 0.0;
+  for (const std::span<T> g : grads) squared += total_norm_squared(std::span<const T>(g.data(), g.size()), stream);
+  if (layout == grad_layout::sharded) group.all_reduce(std::span<double>(&squared, 1), ddp::sum{});
+  const T total = static_cast<T>(std::sqrt(squared));
+  clip_grads_with_norm(grads, max_norm, total, stream);
+  return total;
 }
 
 }  // namespace ddp::optim::cuda
