@@ -10,7 +10,6 @@
 // library must for ordinary user buffers.
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <fcntl.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "../common/bench_table.hpp"
+#include "ddp/backends/ring/transport/socket.hpp"
 
 namespace {
 
@@ -164,13 +164,10 @@ double tcp_stream_gbs(std::size_t total) {
 double tcp_duplex_gbs(std::size_t total) {
   // Both sides start their transfer only once both are connected and ready (one byte each way).
   auto exchange = [total](int fd) {
-    const int one = 1, buffer_bytes = 4 << 20;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer_bytes, sizeof buffer_bytes);
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer_bytes, sizeof buffer_bytes);
+    ddp::detail::tcp::tune_data_socket(fd, 4 << 20);  // as the transport does, at tcp_options' default size
     char ready = 1;
     if (::send(fd, &ready, 1, 0) != 1 || ::recv(fd, &ready, 1, MSG_WAITALL) != 1) return -1.0;
-    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    ddp::detail::tcp::set_nonblocking(fd);
     std::vector<char> out(std::size_t{1} << 20, 7), in(std::size_t{1} << 20);
     const auto start = std::chrono::steady_clock::now();
     std::size_t sent = 0, got = 0;
