@@ -21,7 +21,6 @@
 #include "options.hpp"
 
 #if defined(__CUDACC__)
-#include <cmath>
 
 #include <thrust/device_vector.h>
 
@@ -132,16 +131,14 @@ using chosen_device_optimizer = optimizer_choice<ddp::optim::cuda::sgd<float>, d
 
 /// step_replicated on device memory (CUDA build, nccl): the clip's norm is one device reduction.
 inline void step_replicated_on_device(chosen_device_optimizer& opt, double clip, std::span<float> values, std::span<float> grads) {
-  if (clip > 0) {
-    const auto total = static_cast<float>(std::sqrt(ddp::optim::cuda::total_norm_squared(std::span<const float>(grads))));
-    ddp::optim::cuda::clip_grads_with_norm(std::vector<std::span<float>>{grads}, clip, total);
-  }
+  if (clip > 0) ddp::optim::cuda::clip_grad_norm(std::vector<std::span<float>>{grads}, clip);
   opt.step(values, grads);
 }
 
 /// --zero 1 and 2 on device memory (CUDA build, nccl): sharded_data_parallel hands this rank's
 /// device shard to this step, which clips it with the global norm (ddp::optim::cuda::clip_grad_norm's
-/// sharded form: one all-reduce of the squared norm in double) and steps it with the device optimizer. The shard gradient arrives read-only, so a clip works on a device copy.
+/// sharded form: one all-reduce of the squared norm in double) and steps it with the device
+/// optimizer. The shard gradient arrives read-only, so a clip works on a device copy.
 template <class Group>
 class device_shard_step {
  public:

@@ -319,7 +319,7 @@ struct other_shards_group {
   }
 };
 
-TEST_CASE("optim::cuda::clip_grad_norm: the sharded form all-reduces once, the replicated form not at all; both clip by the norm of the sum of squares") {
+TEST_CASE("optim::cuda::clip_grad_norm: the sharded form all-reduces once, the replicated and group-free forms not at all; all clip by the norm of the sum of squares") {
   gpu_or_skip();
   std::mt19937_64 gen(17);
   for (const auto layout : {optim::grad_layout::sharded, optim::grad_layout::replicated}) {
@@ -330,6 +330,12 @@ TEST_CASE("optim::cuda::clip_grad_norm: the sharded form all-reduces once, the r
     other_shards_group group{.others_squared = 2.5e4};
     const float total = optim::cuda::clip_grad_norm(group, std::vector<std::span<float>>{d.span()}, 1.0, layout);
     CHECK(group.calls == (sharded ? 1 : 0));
+    if (!sharded) {  // the group-free form is the replicated one, bit for bit
+      device_array<float> again(shard.size(), nullptr);
+      again.upload(shard);
+      CHECK(optim::cuda::clip_grad_norm(std::vector<std::span<float>>{again.span()}, 1.0) == total);
+      CHECK(difference(again.download(), d.download()).empty());
+    }
     // The reference: the host's sum of squares in double (another order than the device's tree,
     // so the totals may differ in their last float bit), then the host's clip with it.
     const double squared = optim::total_norm_squared(std::span<const float>(shard)) + (sharded ? group.others_squared : 0.0);

@@ -12,6 +12,7 @@
 //   unscale(grads, scaler)            grad_scaler::unscale on device memory; records found_inf in the
 //                                     scaler and returns this span's verdict
 //   clip_grads_with_norm(grads, max_norm, total)   clip.hpp's, bit for bit
+//   clip_grad_norm(grads, max_norm)   clip.hpp's, with total_norm_squared's norm
 //   clip_grad_norm(group, grads, max_norm, layout) distributed.hpp's, over device gradients: the
 //                                     sharded form all-reduces one double, a host scalar
 //   total_norm_squared(grads)         clip.hpp's sum of squares in double, summed in another order
@@ -403,20 +404,39 @@ T clip_grads_with_norm(const std::vector<std::span<T>>& grads, double max_norm, 
   return coef;
 }
 
-/// distributed.hpp's clip_grad_norm over gradients in device memory: torch.nn.utils.clip_grad_norm_
-/// across a group; returns the total norm (before clipping), the same on every rank. replicated:
-/// every rank holds the same gradients, so its own norm is the total (no communication); sharded:
-/// one all_reduce(sum) of this rank's squared norm in double (a host scalar, so any group will do),
-/// then every shard *= clip_coefficient(max_norm, total). The squares are summed as
-/// total_norm_squared sums them (a tree), so the total may differ from the host's in the last bits.
-template <class Group, device_floating_point T>
-T clip_grad_norm(Group& group, const std::vector<std::span<T>>& grads, double max_norm, grad_layout layout, cudaStream_t stream = nullptr) {
+namespace detail {
+template <device_floating_point T>
+double squared_norm(const std::vector<std::span<T>>& grads, cudaStream_t stream) {
   double squared = 0.0;
   for (const std::span<T> g : grads) squared += total_norm_squared(std::span<const T>(g.data(), g.size()), stream);
-  if (layout == grad_layout::sharded) group.all_reduce(std::span<double>(&squared, 1), ddp::sum{});
+  return squared;
+}
+template <device_floating_point T>
+T clip_with_squared_norm(const std::vector<std::span<T>>& grads, double max_norm, double squared, cudaStream_t stream) {
   const T total = static_cast<T>(std::sqrt(squared));
   clip_grads_with_norm(grads, max_norm, total, stream);
   return total;
 }
+}  // namespace detail
 
+/// clip.hpp's clip_grad_norm on device memory: every gradient *= clip_coefficient(max_norm, total)
+/// with total the norm of all of them; returns total (before clipping). The norm is the square root
+/// of total_norm_squared's sum in double, not torch's float lanes as on the host, so it may differ
+/// from the host's total in the last bits.
+template <device_floating_point T>
+T clip_grad_norm(const std::vector<std::span<T>>& grads, double max_norm, cudaStream_t stream = nullptr) {
+  return detail::clip_with_squared_norm(grads, max_norm, detail::squared_norm(grads, stream), stream);
+}
+
+/// distributed.hpp's clip_grad_norm over gradients in device memory: torch.nn.utils.clip_grad_norm_
+/// across a group; returns the total norm (before clipping), the same on every rank. replicated:
+/// every rank holds the same gradients, so its own norm is the total (the form above, no
+/// communication); sharded: one all_reduce(sum) of this rank's squared norm in double (a host
+/// scalar, so any group will do), then every shard *= clip_coefficient(max_norm, total).
+template <class Group, device_floating_point T>
+T clip_grad_norm(Group& group, const std::vector<std::span<T>>& grads, double max_norm, grad_layout layout, cudaStream_t stream = nullptr) {
+  double squared = detail::squared_norm(grads, stream);
+  if (layout == grad_layout::sharded) group.all_reduce(std::span<double>(&squared, 1), ddp::sum{});
+  return detail::clip_with_squared_norm(grads, max_norm, squared, stream);
+}
 }  // namespace ddp::optim::cuda
