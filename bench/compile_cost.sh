@@ -2,7 +2,9 @@
 # What a user pays to compile a ddp program: the CPU time (user + sys) and peak memory of g++ on
 # one file that includes <ddp/ddp.hpp>, calls init_process_group("ring") and one all_reduce,
 # header-only and with the compiled library (DDP_COMPILED, ddp::ddp_compiled), at -O0 and -O2;
-# beside it the same program on MPI (mpicxx) and a file that includes only <vector> and <string>.
+# beside it the same program on MPI (mpicxx) and a file that includes only <vector> and <string>;
+# and the other files of a larger program, which run collectives or the DDP wrapper on a
+# ddp::group they are handed and never call init_process_group (tests/compile_cost/*_user.cpp).
 # Each figure is the median of REPS compiles (default 3). Writes bench/results/compile_cost.md.
 #   bench/compile_cost.sh
 set -euo pipefail
@@ -65,6 +67,9 @@ for opt in -O0 -O2; do
   if command -v mpicxx >/dev/null; then
     measure "MPI (mpicxx), $opt" mpicxx "$opt" -c "$work/mpi_program.cpp" -o "$work/c.o"
   fi
+  for user in group_user data_parallel_user; do
+    measure "another file: $user.cpp, header-only, $opt" "$cxx" "${inc[@]}" "$opt" -c "$root/tests/compile_cost/$user.cpp" -o "$work/e.o"
+  done
   measure "\`<string>\` + \`<vector>\` only, $opt" "$cxx" -std=c++20 "$opt" -c "$work/std_program.cpp" -o "$work/d.o"
 done
 measure "the compiled library itself (src/ddp_compiled.cpp, once), -O2" \
@@ -74,7 +79,8 @@ measure "the compiled library itself (src/ddp_compiled.cpp, once), -O2" \
   echo "# Compile cost of a ddp program"
   echo
   echo "One file: \`#include <ddp/ddp.hpp>\`, \`init_process_group(\"ring\")\`, one \`all_reduce\` (the MPI row:"
-  echo "\`MPI_Init\` + \`MPI_Allreduce\`). CPU = user + sys seconds of the compiler, memory = its peak RSS;"
+  echo "\`MPI_Init\` + \`MPI_Allreduce\`); \"another file\": a file of the same program that runs collectives"
+  echo "(group_user.cpp) or the DDP wrapper (data_parallel_user.cpp) on a ddp::group it is handed. CPU = user + sys seconds of the compiler, memory = its peak RSS;"
   echo "medians of $reps compiles with $($cxx --version | head -1) on $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))."
   echo
   echo "    bench/compile_cost.sh"

@@ -100,7 +100,9 @@ bool register_backend(std::string name, backend_factory factory, backend_require
 /// The registered backend names, sorted.
 std::vector<std::string> registered_backends();
 
+#if DDP_DECLARATIONS_ONLY
 group init_process_group(std::string_view backend = "ring", init_options opts = {});
+#endif
 
 // Compiled once with the compiled library (ddp/core/compiled.hpp), with the registry.
 #if !DDP_DECLARATIONS_ONLY
@@ -119,28 +121,36 @@ inline ring_backend make_ring_backend(const backend_context& c, ring_options::tr
 namespace detail {
 
 struct pg_registry {
-  pg_registry();  // with the built-in backends
   std::mutex mutex;
   struct entry {
     backend_factory factory;
     backend_requirements requirements;
   };
-  std::map<std::string, entry, std::less<>> factories;
+  std::map<std::string, entry, std::less<>> factories;  // the registered backends; the ring's names are built in
   std::uint64_t calls = 0;
 };
 
-// The built-in backends' factories instantiate the ring backend for every dtype and reduction:
-// most of what a program that calls init_process_group compiles. With the compiled library
-// (DDP_COMPILED, target ddp::ddp_compiled) they are compiled once, in src/ddp_compiled.cpp.
-inline group pg_make_ring(const backend_context& c, ring_options::transport_kind transport) {
-  return group(process_group<ring_backend>(make_ring_backend(c, transport), {.timeout = c.options.timeout}));
+/// The ring backend's names and the transport each asks for; nullopt for any other name.
+inline std::optional<ring_options::transport_kind> pg_ring_transport(std::string_view name) {
+  if (name == "ring") return ring_options::transport_kind::automatic;
+  if (name == "tcp") return ring_options::transport_kind::tcp;
+  if (name == "shm") return ring_options::transport_kind::shm;
+  return std::nullopt;
 }
 
-DDP_COMPILED_INLINE pg_registry::pg_registry() {
-  factories["ring"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::automatic); };
-  factories["tcp"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::tcp); };
-  factories["shm"].factory = [](const backend_context& c) { return pg_make_ring(c, ring_options::transport_kind::shm); };
+// A template, like init_process_group, so that only a file that calls init_process_group
+// instantiates the ring backend for every dtype and reduction (most of what such a program
+// compiles): a file that only includes <ddp/ddp.hpp> and calls collectives on a ddp::group
+// compiles none of it. With the compiled library it is compiled once, in src/ddp_compiled.cpp.
+template <class Ring>
+group pg_make_ring(const backend_context& c, ring_options::transport_kind transport) {
+  return group(process_group<Ring>(make_ring_backend(c, transport), {.timeout = c.options.timeout}));
 }
+
+/// Everything init_process_group does before building the backend: the factory registered
+/// under `backend` (empty for the ring's built-in names, unless a factory replaced them), the
+/// rank and world size, the store, the local layout.
+backend_context pg_prepare(std::string_view backend, init_options opts, backend_factory& factory);
 
 /// The job's store when init_options gives none: torchrun's agent store, or ddp's own.
 DDP_COMPILED_INLINE std::shared_ptr<store::store> pg_make_store(const launch_environment& env, int rank,
@@ -197,6 +207,16 @@ inline pg_registry& pg_backends() {
   return registry;
 }
 
+/// The ring's names and the registered ones, sorted; the caller holds r.mutex.
+inline std::vector<std::string> pg_backend_names(const pg_registry& r) {
+  std::vector<std::string> names{"ring", "shm", "tcp"};
+  for (const auto& [name, entry] : r.factories) {
+    if (!pg_ring_transport(name)) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 }  // namespace detail
 
 DDP_COMPILED_INLINE bool register_backend(std::string name, backend_factory factory, backend_requirements requirements) {
@@ -209,23 +229,20 @@ DDP_COMPILED_INLINE bool register_backend(std::string name, backend_factory fact
 DDP_COMPILED_INLINE std::vector<std::string> registered_backends() {
   auto& r = detail::pg_backends();
   std::lock_guard lock(r.mutex);
-  std::vector<std::string> names;
-  for (const auto& [name, factory] : r.factories) names.push_back(name);
-  return names;
+  return detail::pg_backend_names(r);
 }
 
-DDP_COMPILED_INLINE group init_process_group(std::string_view backend, init_options opts) {
-  backend_factory factory;
+DDP_COMPILED_INLINE backend_context detail::pg_prepare(std::string_view backend, init_options opts, backend_factory& factory) {
   backend_requirements requirements;
   std::uint64_t call = 0;
   {
-    auto& r = detail::pg_backends();
+    auto& r = pg_backends();
     std::lock_guard lock(r.mutex);
     if (auto it = r.factories.find(backend); it != r.factories.end()) {
       factory = it->second.factory;
       requirements = it->second.requirements;
     }
-    if (!factory) {
+    if (!factory && !pg_ring_transport(backend)) {
       if (backend == "nccl") {
         throw error(errc::unavailable,
                     "backend 'nccl' is not available: build with CUDA and NCCL (target ddp::nccl) and include <ddp/nccl.hpp>",
@@ -236,7 +253,7 @@ DDP_COMPILED_INLINE group init_process_group(std::string_view backend, init_opti
                     {.op = "init_process_group"});
       }
       std::string known;
-      for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
+      for (const auto& name : pg_backend_names(r)) known += (known.empty() ? "" : ", ") + name;
       throw error(errc::config, "unknown backend '" + std::string(backend) + "': known backends are " + known +
                                     " (and nccl, mpi when their headers are included)",
                   {.op = "init_process_group"});
@@ -266,13 +283,23 @@ DDP_COMPILED_INLINE group init_process_group(std::string_view backend, init_opti
     const auto w = static_cast<std::size_t>(c.world_size);
     ensure_descriptors((c.rank == 0 ? w : 0) + 4 * w + 18, "a job of " + std::to_string(w) + " ranks", c.rank);
   }
-  if (!c.store && c.world_size > 1 && requirements.store) c.store = detail::pg_make_store(c.env, c.rank, opts.init_timeout);
+  if (!c.store && c.world_size > 1 && requirements.store) c.store = pg_make_store(c.env, c.rank, opts.init_timeout);
   if (c.env.local_layout_from_rendezvous) {
-    if (c.store) detail::pg_derive_local_layout(c.env, *c.store, c.prefix, c.rank, c.world_size);
+    if (c.store) pg_derive_local_layout(c.env, *c.store, c.prefix, c.rank, c.world_size);
     else if (c.world_size == 1) c.env.local_layout_from_rendezvous = false;  // rank 0 of 1 is local rank 0 of 1
   }
   c.options = std::move(opts);
-  return factory(c);
+  return c;
+}
+
+/// The job's process group (see the top of this file). A template only so that a file which
+/// never calls it does not instantiate the ring backend; call it as a function.
+template <class Ring = ring_backend>
+group init_process_group(std::string_view backend = "ring", init_options opts = {}) {
+  backend_factory factory;
+  const backend_context c = detail::pg_prepare(backend, std::move(opts), factory);
+  if (factory) return factory(c);
+  return detail::pg_make_ring<Ring>(c, *detail::pg_ring_transport(backend));
 }
 #endif  // !DDP_DECLARATIONS_ONLY
 

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
@@ -195,6 +196,27 @@ TEST_CASE("init_process_group: a registered factory gets the context") {
     auto g = ddp::init_process_group("mine", {.prefix = "job"});
     check(seen == "mine 0/1 job/0 no-store", "context: " + seen);
     check(g.size() == 1, "the factory's group");
+  });
+  INFO(result.describe());
+  REQUIRE(result.ok());
+}
+
+TEST_CASE("init_process_group: a registered factory replaces a built-in name") {
+  const auto result = ddp::test::run_ranks(1, [](int) {
+    ddp::test::clear_launcher_variables();
+    int calls = 0;
+    check(ddp::register_backend("tcp", [&calls](const ddp::backend_context&) {
+            ++calls;
+            return ddp::group(ddp::process_group<ddp::ring_backend>(ddp::ring_backend(nullptr, 0, 1)));
+          }),
+          "register_backend returns true");
+    const auto names = ddp::registered_backends();
+    check(std::count(names.begin(), names.end(), "tcp") == 1, "tcp listed once");
+    check(std::is_sorted(names.begin(), names.end()), "sorted");
+    auto g = ddp::init_process_group("tcp");
+    check(calls == 1, "the registered factory built the group: " + std::to_string(calls));
+    auto ring = ddp::init_process_group("ring");
+    check(calls == 1 && ring.size() == 1, "the other built-in names still build the ring backend");
   });
   INFO(result.describe());
   REQUIRE(result.ok());
