@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "ddp/backends/ring/shm_direct.hpp"
+#include "ddp/backends/ring/staging_copy_choice.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -65,7 +66,7 @@ class shm_communicator {
     // stages its whole buffer (in one half of its staging area) with its header, and reduces every
     // rank's staged copy straight into its own buffer. Capped at half the staging area.
     std::size_t direct_bytes = 64 << 10;
-    std::size_t streaming_copy_bytes = 128 << 10;  // staging chunks up to this size are copied in with streaming stores
+    std::size_t streaming_copy_bytes = 128 << 10;  // staging chunks up to this size: streaming or ordinary stores, as measured
     int depth = 4;                           // staging chunks per rank (>= 2)
     std::size_t p2p_ring_bytes = 1 << 20;    // send/recv ring per ordered pair
     ddp::detail::shm::shm_wait_policy wait{};
@@ -574,17 +575,21 @@ class shm_communicator {
   // --- staged pipeline (ordinary memory) ---------------------------------------------------
 
   // Copies into this rank's staging area, part of a chunk of chunk_bytes. The peers read these
-  // lines `depth` chunks ago; while that is little staging, their copies are still in their
-  // caches, and ordinary stores would first take every line back (most of a 64 KiB all-reduce of
-  // user buffers went into that copy-in). Streaming stores skip that and shortened 16-128 KiB
-  // all-reduces, most while the two vCPUs measured were placed far apart; from 256 KiB the peers'
-  // copies are mostly gone and ordinary stores won (streaming 1.3-1.6x slower). With more ranks
-  // than CPUs a reader often ran on this very core, whose cache ordinary stores hit (p = 4 on 2
-  // CPUs, streaming: 16-128 KiB 1.04-1.26x slower).
-  void copy_to_staging(void* dst, const void* src, std::size_t bytes, std::size_t chunk) const noexcept {
-    if (chunk <= opts_.streaming_copy_bytes && !group_.oversubscribed()) ddp::detail::streaming_copy(dst, src, bytes);
+  // lines `depth` chunks ago; while that is little staging, their copies may still be in their
+  // caches, and ordinary stores must first take every line back, which streaming stores skip.
+  // Whether that beats leaving the data in cache for the readers depends on where the ranks'
+  // cores sit, so for chunks up to streaming_copy_bytes the all-reduces measure it
+  // (staging_copy_choice.hpp); larger chunks, whose lines the peers' caches no longer hold, take
+  // ordinary stores. With more ranks than CPUs a reader often runs on this very core, whose cache
+  // ordinary stores hit: ordinary stores.
+  void copy_to_staging(void* dst, const void* src, std::size_t bytes, std::size_t chunk, bool streaming_chosen) const noexcept {
+    if (chunk <= opts_.streaming_copy_bytes && streaming_chosen && !group_.oversubscribed()) ddp::detail::streaming_copy(dst, src, bytes);
     else std::memcpy(dst, src, bytes);
   }
+
+  // Whether a call's copies into staging can be streamed at all, so that choosing matters: the
+  // same on every rank (size and placement), so every rank counts the same calls of each kind.
+  bool copy_choice_matters(std::size_t chunk) const noexcept { return chunk <= opts_.streaming_copy_bytes && !group_.oversubscribed(); }
 
   // Before writing staging chunk g: every peer has finished reading chunk g - depth.
   void wait_reuse(std::uint64_t g, const collective_desc& d, deadline dl) {
@@ -636,12 +641,16 @@ class shm_communicator {
         return;
       }
       if (bytes * static_cast<std::size_t>(size_ - 1) <= opts_.direct_bytes) {
-        direct_reduce(c, data, n, f, root, d, dl);
+        auto way = copy_choice_matters(bytes) ? direct_copy_.begin() : detail::staging_copy_choice::call{};
+        direct_reduce(c, data, n, f, root, d, dl, way);
+        direct_copy_.end(way, bytes);
         return;
       }
       enter_with_buffer(c, d, dl, data, bytes, false);
       if (reduce_zero_copy(c, n, f, root, d, dl)) return;
-      staged_reduce(data, n, f, root, d, dl);
+      const auto way = copy_choice_matters(std::min(bytes, opts_.chunk_bytes)) ? staged_copy_.begin() : detail::staging_copy_choice::call{};
+      staged_reduce(data, n, f, root, d, dl, way.streaming);
+      staged_copy_.end(way, bytes);
     });
   }
 
@@ -663,13 +672,14 @@ class shm_communicator {
   // all_reduce / reduce of ordinary memory (see direct at the top): each rank copies its buffer
   // into its staging area (or, when it lies in a shared buffer, offers it in place) and publishes
   // its header; the next call's copy goes to the other half of staging. All shared, the zero-copy
-  // path; a mix (rare), a second round, all staged.
+  // path (and `way` is not timed: nothing was copied); a mix (rare), a second round, all staged.
   void direct_reduce(std::uint64_t c, std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root,
-                     const collective_desc& d, deadline dl) {
+                     const collective_desc& d, deadline dl, detail::staging_copy_choice::call& way) {
     const std::size_t bytes = n * f.element_size;
     const auto mine = allocations_ > 0 ? describe(data, bytes, false) : shm_direct::buffer_descriptor{};
     wait_staging_free(d, dl);
-    if (mine.kind != 1) copy_to_staging(direct_area(rank_, c), data, bytes, bytes);
+    if (mine.kind != 1) copy_to_staging(direct_area(rank_, c), data, bytes, bytes, way.streaming);
+    else way.timed = false;
     publish(c, d, nullptr, 0, &mine);
     enter(c, d, dl);
     std::uint64_t data_call = c;
@@ -680,7 +690,8 @@ class shm_communicator {
       if (shared != 0) {
         data_call = ++calls_;
         const shm_direct::buffer_descriptor staged{};
-        copy_to_staging(direct_area(rank_, data_call), data, bytes, bytes);
+        way.timed = false;  // two rounds: not the time of either way of copying
+        copy_to_staging(direct_area(rank_, data_call), data, bytes, bytes, way.streaming);
         publish(data_call, d, nullptr, 0, &staged);
         enter(data_call, d, dl);
       }
@@ -747,7 +758,8 @@ class shm_communicator {
     });
   }
 
-  void staged_reduce(std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root, const collective_desc& d, deadline dl) {
+  void staged_reduce(std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root, const collective_desc& d, deadline dl,
+                     bool streaming) {
     const std::size_t es = f.element_size;
     const std::size_t m = opts_.chunk_bytes / es;
     const std::size_t chunks = (n + m - 1) / m;
@@ -757,7 +769,7 @@ class shm_communicator {
     auto stage = [&](int r, std::size_t k) { return layout_.staging_at(base(r), g0 + k); };
     auto copy_in = [&](std::size_t k) {
       wait_reuse(g0 + k, d, dl);
-      copy_to_staging(stage(rank_, k), data + k * m * es, length(k) * es, length(k) * es);
+      copy_to_staging(stage(rank_, k), data + k * m * es, length(k) * es, length(k) * es, streaming);
       set(shm_direct::arrived, g0 + k + 1);
     };
     ptrs<const std::byte> src(size_);
@@ -796,7 +808,7 @@ class shm_communicator {
       const std::size_t len = std::min(m, bytes - k * m);
       if (rank_ == root) {
         wait_reuse(g, d, dl);
-        copy_to_staging(layout_.staging_at(base(rank_), g), data + k * m, len, len);
+        copy_to_staging(layout_.staging_at(base(rank_), g), data + k * m, len, len, staged_copy_.streaming());
         set(shm_direct::arrived, g + 1);
       } else {
         wait_counter(shm_direct::arrived, g + 1, root, d, dl, "stage its chunk");
@@ -816,7 +828,7 @@ class shm_communicator {
     auto stage = [&](int r, std::size_t k) { return reinterpret_cast<E*>(layout_.staging_at(base(r), g0 + k)); };
     auto copy_in = [&](std::size_t k) {
       wait_reuse(g0 + k, d, dl);
-      copy_to_staging(stage(rank_, k), in + k * m, length(k) * sizeof(E), length(k) * sizeof(E));
+      copy_to_staging(stage(rank_, k), in + k * m, length(k) * sizeof(E), length(k) * sizeof(E), staged_copy_.streaming());
       set(shm_direct::arrived, g0 + k + 1);
     };
     copy_in(0);
@@ -845,7 +857,7 @@ class shm_communicator {
       std::byte* s = stage(rank_, k);
       for (int b = 0; b < size_; ++b)
         copy_to_staging(s + static_cast<std::size_t>(b) * piece * es, in + (static_cast<std::size_t>(b) * n + k * piece) * es, length(k) * es,
-                        static_cast<std::size_t>(size_) * length(k) * es);
+                        static_cast<std::size_t>(size_) * length(k) * es, staged_copy_.streaming());
       set(shm_direct::arrived, g0 + k + 1);
     };
     ptrs<const std::byte> src(size_);
@@ -874,6 +886,8 @@ class shm_communicator {
   std::uint64_t staging_released_ = 0;  // staged chunks every peer is known to have finished reading
   std::uint64_t syncs_ = 0;        // zero-copy end-of-call handoffs so far
   std::uint64_t allocations_ = 0;  // shared buffers allocated so far
+  detail::staging_copy_choice direct_copy_;  // how the direct path's all-reduces copy in
+  detail::staging_copy_choice staged_copy_;  // how staged chunks up to streaming_copy_bytes are copied in
   std::optional<error> failed_;
 };
 

@@ -5,7 +5,7 @@
 // ownership per line); a streaming store writes the whole line without reading it. Where the
 // reader's copies are likely still cached, that is the cheaper way; where they have long been
 // evicted, ordinary stores win (they leave the data in cache for the reader), so callers choose
-// by size. The copy ends with a store fence: streaming stores are not ordered by a later release
+// by size, and by measurement where the cores' placement decides (staging_copy_choice.hpp). The copy ends with a store fence: streaming stores are not ordered by a later release
 // store, and the caller's release store is what tells the reader the data is there.
 
 #include <algorithm>
