@@ -33,6 +33,11 @@ read -r -a systems <<<"${SYSTEMS:-${all_systems[*]}}"
 mkdir -p "$anchors" "$results"
 log=$anchors/install.log
 : > "$log"
+# The plots (bench/report.py), as bench/run.sh makes them.
+if ! dpkg-query -W -f='${Status}' gnuplot-nox 2>/dev/null | grep -q "install ok installed"; then
+  echo "bench: installing gnuplot-nox" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gnuplot-nox >>"$log" 2>&1 || echo "bench: gnuplot-nox not installed (see $log): no plots" >&2
+fi
 declare -A skipped=()
 skip() { skipped[$1]=$2; echo "bench: $1 SKIPPED: $2" >&2; }
 wanted() { [[ " ${systems[*]} " == *" $1 "* ]]; }
