@@ -40,6 +40,11 @@ int main(int argc, char** argv) {
 }
 CPP
 printf '#include <string>\n#include <vector>\nint main() { std::vector<std::string> v{"a"}; return int(v.size()) - 1; }\n' >"$work/std_program.cpp"
+# The other files again, including <ddp/group.hpp> (and <ddp/data_parallel.hpp>) instead of
+# <ddp/ddp.hpp>, which also declares the ring backend, the stores, checkpoints and the launcher.
+sed 's|#include <ddp/ddp.hpp>|#include <ddp/group.hpp>|' "$root/tests/compile_cost/group_user.cpp" >"$work/group_user_narrow.cpp"
+sed 's|#include <ddp/ddp.hpp>|#include <ddp/data_parallel.hpp>\n#include <ddp/group.hpp>|' "$root/tests/compile_cost/data_parallel_user.cpp" \
+  >"$work/data_parallel_user_narrow.cpp"
 
 # measure NAME COMMAND...: median CPU seconds and peak MiB of REPS runs, appended as a table row.
 rows=()
@@ -69,6 +74,7 @@ for opt in -O0 -O2; do
   fi
   for user in group_user data_parallel_user; do
     measure "another file: $user.cpp, header-only, $opt" "$cxx" "${inc[@]}" "$opt" -c "$root/tests/compile_cost/$user.cpp" -o "$work/e.o"
+    measure "another file: $user.cpp including only what it uses, $opt" "$cxx" "${inc[@]}" "$opt" -c "$work/${user}_narrow.cpp" -o "$work/e.o"
   done
   measure "\`<string>\` + \`<vector>\` only, $opt" "$cxx" -std=c++20 "$opt" -c "$work/std_program.cpp" -o "$work/d.o"
 done
