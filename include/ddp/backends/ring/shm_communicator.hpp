@@ -583,7 +583,7 @@ class shm_communicator {
   // ordinary stores. With more ranks than CPUs a reader often runs on this very core, whose cache
   // ordinary stores hit: ordinary stores.
   void copy_to_staging(void* dst, const void* src, std::size_t bytes, std::size_t chunk, bool streaming_chosen) const noexcept {
-    if (chunk <= opts_.streaming_copy_bytes && streaming_chosen && !group_.oversubscribed()) ddp::detail::streaming_copy(dst, src, bytes);
+    if (streaming_chosen && copy_choice_matters(chunk)) ddp::detail::streaming_copy(dst, src, bytes);
     else std::memcpy(dst, src, bytes);
   }
 
