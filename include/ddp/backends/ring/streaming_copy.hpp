@@ -1,12 +1,13 @@
 #pragma once
 // streaming_copy: memcpy with non-temporal stores, for a copy into shared memory whose lines
-// another core read since they were last written here (a staging chunk a peer reduced from).
-// An ordinary store must first take each such line back from the reader's cache (a read for
-// ownership per line); a streaming store writes the whole line without reading it. Where the
-// reader's copies are likely still cached, that is the cheaper way; where they have long been
-// evicted, ordinary stores win (they leave the data in cache for the reader), so callers choose
-// by size, and by measurement where the cores' placement decides (staging_copy_choice.hpp). The copy ends with a store fence: streaming stores are not ordered by a later release
-// store, and the caller's release store is what tells the reader the data is there.
+// another core read since they were last written here (a staging chunk a peer reduced from). An
+// ordinary store must first take each such line back from the reader's cache (a read for ownership
+// per line); a streaming store writes the whole line without reading it. Where the reader's copies
+// are likely still cached, that is the cheaper way; where they have long been evicted, ordinary
+// stores win (they leave the data in cache for the reader), so callers choose by size, and by
+// measurement where the cores' placement decides (staging_copy_choice.hpp). The copy ends with a
+// store fence: streaming stores are not ordered by a later release store, and the caller's release
+// store is what tells the reader the data is there.
 
 #include <algorithm>
 #include <cstddef>
