@@ -94,8 +94,11 @@ inline std::optional<std::array<std::byte, secret_bytes>> read_secret(const std:
   ddp::detail::unique_fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd) {
     const int err = errno;
+    // Missing: another process may link it between this open and a later look, so the open's
+    // own answer decides, and making it says why when that fails too.
+    if (err == ENOENT || err == ENOTDIR) return std::nullopt;
     struct stat lst{};
-    // Missing, or a directory on the way is (not a directory, not searchable): making it says why.
+    // A directory on the way that is not searchable: making it says why.
     if (::lstat(path.c_str(), &lst) != 0) return std::nullopt;
     throw error(errc::config, "cannot read the store secret " + path + ": " + system_message("open", err) +
                                   (err == ELOOP ? " (a symbolic link: make it a plain file)"
