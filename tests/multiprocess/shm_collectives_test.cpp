@@ -330,38 +330,44 @@ TEST_CASE("shm collectives: reduce delivers the reduction to the root and leaves
 
 TEST_CASE("shm collectives: small all_reduce / reduce with group buffers on some ranks and ordinary memory on others") {
   // 4-8 KiB: each rank says whether its buffer is shared; all shared is zero copy, none the
-  // header slots, a mix a second round. The calls after a mix must still line up.
-  for (int p : {2, 3, 4}) {
-    run_group(p, "shmmix", [p](int rank, comm_t& comm) {
-      std::uint64_t seq = 0;
-      for (std::size_t n : {std::size_t{700}, std::size_t{1023}}) {  // float64: 5600 and 8184 bytes
-        for (int pattern = 0; pattern < 4; ++pattern) {
-          // 0: all ordinary, 1: all shared, 2: even ranks shared, 3: only the last rank shared.
-          const bool shared = pattern == 1 || (pattern == 2 && rank % 2 == 0) || (pattern == 3 && rank == p - 1);
-          test_buffer<double> group_memory(comm, n, true);  // collective: every rank allocates
-          std::vector<double> own(n);
-          const std::span<double> data = shared ? group_memory.span() : std::span<double>(own);
-          for (const int root : {-1, 0, p - 1}) {
-            // Different values in every call: stale slot contents must not pass for this call's.
-            const std::size_t shift = static_cast<std::size_t>(seq) * 7;
-            for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
-            reduce_and_check(comm, data, root, rank, p, shift, seq,
-                             "n=" + std::to_string(n) + " pattern " + std::to_string(pattern) + " root " + std::to_string(root));
+  // header slots or (slot_direct_max raised) the direct path's staging, a mix a second round.
+  // The calls after a mix must still line up.
+  for (const std::size_t slot_direct_max : {comm_t::options{}.slot_direct_max, std::size_t{8192}}) {
+    comm_t::options opts;
+    opts.slot_direct_max = slot_direct_max;
+    for (int p : {2, 3, 4}) {
+      run_group(p, "shmmix", [p](int rank, comm_t& comm) {
+        std::uint64_t seq = 0;
+        for (std::size_t n : {std::size_t{700}, std::size_t{1023}}) {  // float64: 5600 and 8184 bytes
+          for (int pattern = 0; pattern < 4; ++pattern) {
+            // 0: all ordinary, 1: all shared, 2: even ranks shared, 3: only the last rank shared.
+            const bool shared = pattern == 1 || (pattern == 2 && rank % 2 == 0) || (pattern == 3 && rank == p - 1);
+            test_buffer<double> group_memory(comm, n, true);  // collective: every rank allocates
+            std::vector<double> own(n);
+            const std::span<double> data = shared ? group_memory.span() : std::span<double>(own);
+            for (const int root : {-1, 0, p - 1}) {
+              // Different values in every call: stale slot contents must not pass for this call's.
+              const std::size_t shift = static_cast<std::size_t>(seq) * 7;
+              for (std::size_t i = 0; i < n; ++i) data[i] = input<double>(rank, i + shift);
+              reduce_and_check(comm, data, root, rank, p, shift, seq,
+                               "n=" + std::to_string(n) + " pattern " + std::to_string(pattern) + " root " + std::to_string(root));
+            }
           }
         }
-      }
-    });
+      }, opts);
+    }
   }
 }
 
 TEST_CASE("shm collectives: back-to-back calls of changing sizes across the small, direct and staged paths, with mixed buffers") {
   // A small staging area so that a few KiB cross every threshold: small (slot) up to 1 KiB, direct
   // (each rank's whole buffer in one half of staging, halves alternating by call) up to
-  // 8 KiB / (p - 1), staged chunks above. Broadcasts and all_gathers through the staging chunks
+  // 8 KiB / (p - 1), staged chunks above; the other collectives' slots also hold 1 KiB. Broadcasts and all_gathers through the staging chunks
   // come between the all-reduces, and some calls mix shared and ordinary buffers: no call may
   // read a peer's staged copy of another call, whatever came before it.
   comm_t::options opts;
   opts.small_bytes = 1024;
+  opts.slot_direct_max = 0;
   opts.chunk_bytes = 4096;
   opts.depth = 4;
   opts.direct_bytes = 8192;

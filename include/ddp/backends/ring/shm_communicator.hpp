@@ -6,10 +6,11 @@
 // into its slot for the call, then waits until every peer's slot carries the same call number,
 // and checks every peer's header before it reads any data (errc::mismatch on every rank,
 // describing both calls). Then, by size and buffer kind:
-//  - small (a rank's payload <= options::small_bytes, 8 KiB): the data came with the header;
-//    each rank reduces / copies what it needs from the peers' slots. One flag handoff. From
-//    options::small_zero_copy_bytes (1 KiB) an all-reduce / reduce also says where its buffer is,
-//    and takes the zero-copy path below when every rank's is shared.
+//  - small (a rank's payload <= options::small_bytes, 8 KiB, except all_reduce / reduce above
+//    options::slot_direct_above, 256 B, up to options::slot_direct_max, 2 KiB, which take the
+//    direct path below when it can hold them): the data came with the header; each rank reduces / copies what it needs from the peers' slots. One flag
+//    handoff. From options::small_zero_copy_bytes (1 KiB) an all-reduce / reduce also says where
+//    its buffer is, and takes the zero-copy path below when every rank's is shared.
 //  - zero copy (every rank's span lies in a shared_buffer from allocate()): each rank reduces
 //    its 1/p slice reading the peers' buffers in place and writes the result into every
 //    buffer (all_reduce) or the root's (reduce), or copies straight out of the peers' buffers
@@ -61,6 +62,13 @@ class shm_communicator {
   struct options {
     std::size_t small_bytes = 8192;          // largest per-rank payload sent with the header
     std::size_t small_zero_copy_bytes = 1024;  // small all-reduce / reduce on shared buffers from here: zero copy
+    // All-reduce / reduce of more than slot_direct_above bytes, up to slot_direct_max, take the
+    // direct path (when direct_bytes holds them) rather than the slots, which measured slower
+    // there on one VM (bench/README): a slot's payload lies next to the header line the peers poll,
+    // so their polling can pull its lines away from the writer while it fills them; the direct
+    // path's copy lies apart, in staging. Above slot_direct_max another VM measured the slots faster.
+    std::size_t slot_direct_above = 256;
+    std::size_t slot_direct_max = 2048;
     std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
     // All-reduce / reduce of ordinary buffers up to this many bytes times (p - 1): every rank
     // stages its whole buffer (in one half of its staging area) with its header, and reduces every
@@ -603,7 +611,9 @@ class shm_communicator {
     run(d, [&] {
       const std::uint64_t c = ++calls_;
       const std::size_t es = f.element_size, bytes = n * es;
-      if (bytes <= opts_.small_bytes) {
+      const bool direct = (bytes > opts_.small_bytes || (bytes > opts_.slot_direct_above && bytes <= opts_.slot_direct_max)) &&
+                          bytes * static_cast<std::size_t>(size_ - 1) <= opts_.direct_bytes;
+      if (bytes <= opts_.small_bytes && !direct) {
         // Shared buffers of a few KiB: reducing one slice in place, with no copy into the slot,
         // beats folding the whole message from every slot from about 1 KiB (p = 2; below it the
         // slots win).
@@ -640,7 +650,7 @@ class shm_communicator {
         f(src.data(), size_, &dst, 1, n);
         return;
       }
-      if (bytes * static_cast<std::size_t>(size_ - 1) <= opts_.direct_bytes) {
+      if (direct) {
         auto way = copy_choice_matters(bytes) ? direct_copy_.begin() : detail::staging_copy_choice::call{};
         direct_reduce(c, data, n, f, root, d, dl, way);
         direct_copy_.end(way, bytes);
@@ -676,7 +686,11 @@ class shm_communicator {
   void direct_reduce(std::uint64_t c, std::byte* data, std::size_t n, const shm_direct::erased_fold& f, int root,
                      const collective_desc& d, deadline dl, detail::staging_copy_choice::call& way) {
     const std::size_t bytes = n * f.element_size;
-    const auto mine = allocations_ > 0 ? describe(data, bytes, false) : shm_direct::buffer_descriptor{};
+    // A call that fits a slot offers its buffer as the slot path does: from small_zero_copy_bytes,
+    // and not with more ranks than CPUs (zero copy's second handoff may cost a trip through the
+    // scheduler).
+    const bool offer = allocations_ > 0 && (bytes > opts_.small_bytes || (bytes >= opts_.small_zero_copy_bytes && !group_.oversubscribed()));
+    const auto mine = offer ? describe(data, bytes, false) : shm_direct::buffer_descriptor{};
     wait_staging_free(d, dl);
     if (mine.kind != 1) copy_to_staging(direct_area(rank_, c), data, bytes, bytes, way.streaming);
     else way.timed = false;
