@@ -74,6 +74,11 @@ class shm_communicator {
     // stages its whole buffer (in one half of its staging area) with its header, and reduces every
     // rank's staged copy straight into its own buffer. Capped at half the staging area.
     std::size_t direct_bytes = 64 << 10;
+    // Direct copies of at least direct_spread_from bytes take turns through this many bytes of
+    // their half rather than its start: a rank then writes lines its peers last read several calls
+    // ago, which measured cheaper to take back than the lines they read two calls ago (bench/README).
+    std::size_t direct_spread_bytes = 64 << 10;
+    std::size_t direct_spread_from = 2048;
     std::size_t streaming_copy_bytes = 128 << 10;  // staging chunks up to this size: streaming or ordinary stores, as measured
     int depth = 4;                           // staging chunks per rank (>= 2)
     std::size_t p2p_ring_bytes = 1 << 20;    // send/recv ring per ordered pair
@@ -664,11 +669,20 @@ class shm_communicator {
     });
   }
 
-  // Half c % 2 of this rank's staging area: the direct path's copy for call c. A rank writes it
-  // before it waits for the peers' headers of call c, while they may still be in call c - 1;
-  // they all entered c - 1, so none still reads call c - 2's copy (which used this half).
-  std::byte* direct_area(int r, std::uint64_t c) const noexcept {
-    return base(r) + layout_.staging_offset() + (c & 1u) * (static_cast<std::size_t>(opts_.depth) * opts_.chunk_bytes / 2);
+  // Where in half c % 2 of rank r's staging area the direct path's copy of call c lies. A rank
+  // writes it before it waits for the peers' headers of call c, while they may still be in call
+  // c - 1; they all entered c - 1, so none still reads any earlier copy in this half. Copies of
+  // direct_spread_from bytes or more take turns through the half's first direct_spread_bytes, one
+  // page-aligned place per call of this half; every rank computes the same place from c and bytes.
+  std::byte* direct_area(int r, std::uint64_t c, std::size_t bytes) const noexcept {
+    const std::size_t half = static_cast<std::size_t>(opts_.depth) * opts_.chunk_bytes / 2;
+    std::size_t offset = 0;
+    if (bytes >= opts_.direct_spread_from) {
+      const std::size_t stride = (bytes + 4095) / 4096 * 4096;
+      const std::size_t places = std::max<std::size_t>(1, std::min(opts_.direct_spread_bytes, half) / stride);
+      offset = static_cast<std::size_t>((c >> 1) % places) * stride;
+    }
+    return base(r) + layout_.staging_offset() + (c & 1u) * half + offset;
   }
 
   // The pipelines' chunks of earlier calls may lie anywhere in staging: before the direct path
@@ -692,7 +706,7 @@ class shm_communicator {
     const bool offer = allocations_ > 0 && (bytes > opts_.small_bytes || (bytes >= opts_.small_zero_copy_bytes && !group_.oversubscribed()));
     const auto mine = offer ? describe(data, bytes, false) : shm_direct::buffer_descriptor{};
     wait_staging_free(d, dl);
-    if (mine.kind != 1) copy_to_staging(direct_area(rank_, c), data, bytes, bytes, way.streaming);
+    if (mine.kind != 1) copy_to_staging(direct_area(rank_, c, bytes), data, bytes, bytes, way.streaming);
     else way.timed = false;
     publish(c, d, nullptr, 0, &mine);
     enter(c, d, dl);
@@ -705,14 +719,14 @@ class shm_communicator {
         data_call = ++calls_;
         const shm_direct::buffer_descriptor staged{};
         way.timed = false;  // two rounds: not the time of either way of copying
-        copy_to_staging(direct_area(rank_, data_call), data, bytes, bytes, way.streaming);
+        copy_to_staging(direct_area(rank_, data_call, bytes), data, bytes, bytes, way.streaming);
         publish(data_call, d, nullptr, 0, &staged);
         enter(data_call, d, dl);
       }
     }
     if (root >= 0 && rank_ != root) return;
     ptrs<const std::byte> src(size_);
-    for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data : direct_area(j, data_call);
+    for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data : direct_area(j, data_call, bytes);
     std::byte* dst = data;
     f(src.data(), size_, &dst, 1, n);
   }
