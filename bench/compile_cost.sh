@@ -40,6 +40,9 @@ int main(int argc, char** argv) {
 }
 CPP
 printf '#include <string>\n#include <vector>\nint main() { std::vector<std::string> v{"a"}; return int(v.size()) - 1; }\n' >"$work/std_program.cpp"
+# The program again, including <ddp/init.hpp> (init_process_group and the group it returns)
+# instead of the umbrella header, for the compiled library.
+sed 's|#include <ddp/ddp.hpp>|#include <ddp/init.hpp>|' "$work/ddp_program.cpp" >"$work/ddp_program_narrow.cpp"
 # The other files again, including <ddp/group.hpp> (and <ddp/data_parallel.hpp>) instead of
 # <ddp/ddp.hpp>, which also declares the ring backend, the stores, checkpoints and the launcher.
 sed 's|#include <ddp/ddp.hpp>|#include <ddp/group.hpp>|' "$root/tests/compile_cost/group_user.cpp" >"$work/group_user_narrow.cpp"
@@ -69,6 +72,7 @@ echo "compile cost ($cxx, median of $reps):" >&2
 for opt in -O0 -O2; do
   measure "ddp header-only, $opt" "$cxx" "${inc[@]}" "$opt" -c "$work/ddp_program.cpp" -o "$work/a.o"
   measure "ddp compiled library (DDP_COMPILED), $opt" "$cxx" "${inc[@]}" -DDDP_COMPILED "$opt" -c "$work/ddp_program.cpp" -o "$work/b.o"
+  measure "ddp compiled library, including only \`<ddp/init.hpp>\`, $opt" "$cxx" "${inc[@]}" -DDDP_COMPILED "$opt" -c "$work/ddp_program_narrow.cpp" -o "$work/b.o"
   if command -v mpicxx >/dev/null; then
     measure "MPI (mpicxx), $opt" mpicxx "$opt" -c "$work/mpi_program.cpp" -o "$work/c.o"
   fi
