@@ -8,9 +8,10 @@
 // describing both calls). Then, by size and buffer kind:
 //  - small (a rank's payload <= options::small_bytes, 8 KiB, except all_reduce / reduce above
 //    options::slot_direct_above, 256 B, up to options::slot_direct_max, 2 KiB, which take the
-//    direct path below when it can hold them): the data came with the header; each rank reduces / copies what it needs from the peers' slots. One flag
-//    handoff. From options::small_zero_copy_bytes (1 KiB) an all-reduce / reduce also says where
-//    its buffer is, and takes the zero-copy path below when every rank's is shared.
+//    direct path below when it can hold them): the data came with the header; each rank reduces
+//    / copies what it needs from the peers' slots. One flag handoff. From
+//    options::small_zero_copy_bytes (1 KiB) an all-reduce / reduce also says where its buffer is,
+//    and takes the zero-copy path below when every rank's is shared.
 //  - zero copy (every rank's span lies in a shared_buffer from allocate()): each rank reduces
 //    its 1/p slice reading the peers' buffers in place and writes the result into every
 //    buffer (all_reduce) or the root's (reduce), or copies straight out of the peers' buffers
@@ -64,9 +65,10 @@ class shm_communicator {
     std::size_t small_zero_copy_bytes = 1024;  // small all-reduce / reduce on shared buffers from here: zero copy
     // All-reduce / reduce of more than slot_direct_above bytes, up to slot_direct_max, take the
     // direct path (when direct_bytes holds them) rather than the slots, which measured slower
-    // there on one VM (bench/README): a slot's payload lies next to the header line the peers poll,
-    // so their polling can pull its lines away from the writer while it fills them; the direct
-    // path's copy lies apart, in staging. Above slot_direct_max another VM measured the slots faster.
+    // there on one VM (bench/README): a slot's payload lies next to the header line the peers
+    // poll, so their polling can pull its lines away from the writer while it fills them; the
+    // direct path's copy lies apart, in staging. Above slot_direct_max another VM measured the
+    // slots faster.
     std::size_t slot_direct_above = 256;
     std::size_t slot_direct_max = 2048;
     std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
@@ -75,8 +77,9 @@ class shm_communicator {
     // rank's staged copy straight into its own buffer. Capped at half the staging area.
     std::size_t direct_bytes = 64 << 10;
     // Direct copies of at least direct_spread_from bytes take turns through this many bytes of
-    // their half rather than its start: a rank then writes lines its peers last read several calls
-    // ago, which measured cheaper to take back than the lines they read two calls ago (bench/README).
+    // their half rather than its start: a rank then writes lines its peers last read several
+    // calls ago, which measured cheaper to take back than the lines they read two calls ago
+    // (bench/README).
     std::size_t direct_spread_bytes = 64 << 10;
     std::size_t direct_spread_from = 2048;
     std::size_t streaming_copy_bytes = 128 << 10;  // staging chunks up to this size: streaming or ordinary stores, as measured
