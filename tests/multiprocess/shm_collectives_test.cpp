@@ -362,9 +362,10 @@ TEST_CASE("shm collectives: small all_reduce / reduce with group buffers on some
 TEST_CASE("shm collectives: back-to-back calls of changing sizes across the small, direct and staged paths, with mixed buffers") {
   // A small staging area so that a few KiB cross every threshold: small (slot) up to 1 KiB, direct
   // (each rank's whole buffer in one half of staging, halves alternating by call) up to
-  // 8 KiB / (p - 1), staged chunks above; the other collectives' slots also hold 1 KiB. Broadcasts and all_gathers through the staging chunks
-  // come between the all-reduces, and some calls mix shared and ordinary buffers: no call may
-  // read a peer's staged copy of another call, whatever came before it.
+  // 8 KiB / (p - 1), staged chunks above; the other collectives' slots also hold 1 KiB.
+  // Broadcasts and all_gathers through the staging chunks come between the all-reduces, and some
+  // calls mix shared and ordinary buffers: no call may read a peer's staged copy of another call,
+  // whatever came before it.
   comm_t::options opts;
   opts.small_bytes = 1024;
   opts.slot_direct_max = 0;

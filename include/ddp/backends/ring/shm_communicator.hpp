@@ -141,15 +141,15 @@ class shm_communicator {
         try {
           a->segments[static_cast<std::size_t>(r)] = group_.open_offer(r, static_cast<std::uint32_t>(d.seq), bytes, "a shared buffer");
         } catch (const error& e) {
-          if (e.code() != errc::peer_lost) throw error(e.code(), e.message(), {.rank = rank_, .op = "allocate"});
-          // Rank r may have exited because another rank died first: if a rank already aborted the
-          // group naming a cause, that is the one to name, and rank r's exit follows from it.
-          if (group_.aborted()) {
-            if (const auto why = group_.failure()) throw error(why->first, why->second + " (and " + e.message() + ")", {.rank = rank_, .op = "allocate"});
+          std::string why = e.message();
+          if (e.code() == errc::peer_lost) {
+            // Rank r may have exited because another rank died first: if a rank already aborted
+            // the group naming a cause, that is the one to name, and rank r's exit follows from it.
+            // Otherwise name rank r to every rank (an abort without a cause would name this one).
+            if (const auto cause = group_.aborted() ? group_.failure() : std::nullopt) why = cause->second + " (and " + why + ")";
+            else group_.abort(r, group_.pid_of(r));
           }
-          // Name the rank that exited to every rank (an abort without a cause would name this one).
-          group_.abort(r, group_.pid_of(r));
-          throw error(e.code(), e.message(), {.rank = rank_, .op = "allocate"});
+          throw error(e.code(), why, {.rank = rank_, .op = "allocate"});
         }
       }
       barrier_steps(d, dl);  // every rank has mapped every segment
