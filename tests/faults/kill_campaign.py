@@ -493,13 +493,21 @@ def describe_status(status):
 def plan(args):
     rng = random.Random(args.seed)
     combos = [(m, t, p) for m in ("ddprun", "hand") for t in ("shm", "tcp") for p in PHASES]
+    only = args.only.split(":") if args.only else []
+    if only:
+        combos = [c for c in combos if all(want == got for want, got in zip(only[:3], c))]
+        if not combos:
+            sys.exit("kill_campaign: --only %s matches no form" % args.only)
     trials = []
     while len(trials) < args.trials:
         rng.shuffle(combos)
         for mode, transport, phase in combos:
             if len(trials) == args.trials:
                 break
-            if mode == "ddprun" and rng.random() < 0.2:
+            if len(only) == 4:
+                victim = "ddprun" if only[3] == "ddprun" else int(only[3])
+                watch = 0 if victim == "ddprun" else victim
+            elif mode == "ddprun" and rng.random() < 0.2:
                 victim = "ddprun"
                 watch = rng.randrange(WORLD)
             else:
@@ -529,6 +537,8 @@ def main():
     ap.add_argument("--ddp-timeout", type=float, default=5.0, help="DDP_TIMEOUT of every trial's ranks")
     ap.add_argument("--steps", type=int, default=1000, help="all_reduce steps of the step phase")
     ap.add_argument("--keep-shm", action="store_true", help="leave leaked /dev/shm entries in place")
+    ap.add_argument("--only", default="",
+                    help="one form, to reproduce it: MODE[:TRANSPORT[:PHASE[:VICTIM]]], e.g. hand:shm:allocate:0")
     ap.add_argument("--verbose", "-v", action="store_true", help="print every rank's error line")
     ap.add_argument("--known-gaps", default="", help="comma-separated gaps (%s) counted but not failing the run"
                     % ", ".join(sorted(KNOWN_GAPS)))

@@ -379,7 +379,17 @@ class ring_backend {
                                              hier_comm::options{.failure_store = failure_store.get(), .leaders_failure_prefix = hier + "leaders"});
     }
     s_->failure_store = failure_store;
-    if (size > 1 && s_->options.heartbeat_timeout.count() > 0) start_heartbeat(setup);
+    if (size > 1 && s_->options.heartbeat_timeout.count() > 0) {
+      try {
+        start_heartbeat(setup);
+      } catch (...) {
+        // Peers that finished their set-up already wait in a collective on the communicators:
+        // they must learn of this failure now, and of its cause (a dead peer, often the store's
+        // host) rather than of this rank's exit.
+        s_->abort_noticing_all();
+        throw;
+      }
+    }
   }
 
 
@@ -407,6 +417,11 @@ class ring_backend {
       if (shm) shm->abort();
       if (tcp) tcp->abort();
       if (hier) hier->abort();
+    }
+    void abort_noticing_all() noexcept {
+      if (shm) shm->abort_noticing();
+      if (tcp) tcp->abort();
+      if (hier) hier->abort_noticing();
     }
   };
 

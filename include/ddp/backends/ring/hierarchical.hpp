@@ -200,6 +200,12 @@ class hierarchical_communicator {
     if (local_) local_->abort();
     if (leaders_) leaders_->abort();
   }
+  /// abort(), this host's shared memory naming a peer this rank sees dead (shm_communicator).
+  void abort_noticing() noexcept {
+    flat_->abort();
+    if (local_) local_->abort_noticing();
+    if (leaders_) leaders_->abort();
+  }
 
  private:
   // The op both levels combine with: sum for avg (divided once at the end), the op otherwise.

@@ -113,6 +113,12 @@ class shm_communicator {
     group_.abort();
     p2p_.abort();
   }
+  /// abort(), naming a peer this rank sees dead as the cause: for a failure outside a
+  /// collective (the rest of the set-up), so the peers name that peer, not this rank's exit.
+  void abort_noticing() noexcept {
+    group_.abort_noticing();
+    p2p_.abort();
+  }
 
   /// Collective allocation: every rank calls it with the same n, in the same order. The buffer
   /// is zero-filled; collectives on spans inside it read the peers' memory in place.
