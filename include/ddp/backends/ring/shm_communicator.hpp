@@ -810,9 +810,19 @@ class shm_communicator {
     chunks_ += chunks;
     auto length = [&](std::size_t k) { return std::min(m, n - k * m); };
     auto stage = [&](int r, std::size_t k) { return layout_.staging_at(base(r), g0 + k); };
+    auto own_slice = [&](std::size_t k) {
+      return std::pair{shm_direct::slice_begin(length(k), size_, rank_, es), shm_direct::slice_begin(length(k), size_, rank_ + 1, es)};
+    };
+    // Only the slices the peers reduce are staged: this rank reads its own slice from `data`, and
+    // its place in staging receives the reduced slice.
     auto copy_in = [&](std::size_t k) {
       wait_reuse(g0 + k, d, dl);
-      copy_to_staging(stage(rank_, k), data + k * m * es, length(k) * es, length(k) * es, streaming);
+      const std::size_t len = length(k);
+      const auto [lo, hi] = own_slice(k);
+      std::byte* to = stage(rank_, k);
+      const std::byte* from = data + k * m * es;
+      copy_to_staging(to, from, lo * es, len * es, streaming);
+      copy_to_staging(to + hi * es, from + hi * es, (len - hi) * es, len * es, streaming);
       set(shm_direct::arrived, g0 + k + 1);
     };
     ptrs<const std::byte> src(size_);
@@ -820,9 +830,9 @@ class shm_communicator {
     for (std::size_t k = 0; k < chunks; ++k) {
       const std::uint64_t g = g0 + k;
       const std::size_t len = length(k);
-      const std::size_t lo = shm_direct::slice_begin(len, size_, rank_, es), hi = shm_direct::slice_begin(len, size_, rank_ + 1, es);
+      const auto [lo, hi] = own_slice(k);
       wait_counter(shm_direct::arrived, g + 1, -1, d, dl, "stage its chunk");
-      for (int j = 0; j < size_; ++j) src[j] = stage(j, k) + lo * es;
+      for (int j = 0; j < size_; ++j) src[j] = j == rank_ ? data + (k * m + lo) * es : stage(j, k) + lo * es;
       // The own slice goes to staging (for the peers) and straight into the result.
       const bool result_here = root < 0 || root == rank_;
       std::byte* dst[2] = {stage(rank_, k) + lo * es, data + (k * m + lo) * es};
