@@ -71,7 +71,9 @@ class shm_communicator {
     // slots faster.
     std::size_t slot_direct_above = 256;
     std::size_t slot_direct_max = 2048;
-    std::size_t chunk_bytes = 1 << 20;       // staging chunk for ordinary buffers
+    // Staging chunk for ordinary buffers. Small enough that a chunk's staging, its source and the
+    // peers' copies stay in cache while the pipeline moves through a large call (bench/README).
+    std::size_t chunk_bytes = 256 << 10;
     // All-reduce / reduce of ordinary buffers up to this many bytes times (p - 1): every rank
     // stages its whole buffer (in one half of its staging area) with its header, and reduces every
     // rank's staged copy straight into its own buffer. Capped at half the staging area.
