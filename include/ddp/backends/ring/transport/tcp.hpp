@@ -289,7 +289,14 @@ class tcp_transport {
     s_->peers = std::vector<peer_link>(static_cast<std::size_t>(size));
     s_->wake = detail::tcp::unique_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!s_->wake) throw error(errc::internal, system_message("eventfd"));
-    if (size > 1) connect_mesh(store, prefix, opts, topology);
+    if (size > 1) {
+      try {
+        connect_mesh(store, prefix, opts, topology);
+      } catch (const error& e) {
+        throw_store_cause_first(store, e, rank);
+        throw;
+      }
+    }
   }
   tcp_transport(tcp_transport&&) noexcept = default;
   tcp_transport& operator=(tcp_transport&&) noexcept = default;
@@ -562,6 +569,17 @@ class tcp_transport {
     }
   }
 
+  // A peer that closed its connection or never came while the mesh was built may have left
+  // because another rank or the store's host (often rank 0) died first: the store knows of such
+  // a death, or is gone with its host. That is the cause every rank names; this rank's own
+  // finding follows it.
+  static void throw_store_cause_first(ddp::store::store& store, const error& e, int rank) {
+    if (e.code() != errc::peer_lost && e.code() != errc::timeout) return;
+    const auto trouble = ddp::store::store_trouble(store);
+    if (!trouble || e.message().find(trouble->message()) != std::string::npos) return;
+    throw error(trouble->code(), trouble->message() + " (while building the tcp mesh; then: " + e.message() + ")", {.rank = rank});
+  }
+
   void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const rank_topology* topology) {
     const deadline dl = deadline::after(opts.timeout);
     const int rank = s_->rank, size = s_->size;
@@ -585,8 +603,8 @@ class tcp_transport {
     // The waits for peers below look at the store's departures this often.
     constexpr std::chrono::milliseconds departure_check_every{100};
     auto throw_if_departed = [&] {
-      if (auto news = ddp::store::departure_news(store); !news.empty())
-        throw error(errc::peer_lost, news + " (while building the tcp mesh)", {.rank = rank});
+      if (const auto trouble = ddp::store::store_trouble(store))
+        throw error(trouble->code(), trouble->message() + " (while building the tcp mesh)", {.rank = rank});
     };
     store.set_string(key(rank), me.str() + " " + detail::tcp::to_hex(my_nonce));
 
