@@ -22,7 +22,8 @@
 //    own buffer. One flag handoff, where the staged pipeline has three.
 //  - staged (ordinary memory): chunks of options::chunk_bytes go through each rank's staging
 //    area, `depth` chunks in flight: copy-in of chunk k+1 overlaps the peers' reduction of
-//    chunk k. all_reduce: copy in, reduce own slice in place in staging, copy every slice out.
+//    chunk k. all_reduce: copy in the slices the peers reduce, reduce the own slice (from the
+//    own buffer) into staging and the buffer, copy the peers' reduced slices out.
 // send/recv go through an shm_transport (header first, checked by the receiver).
 //
 // Errors: a dead peer is errc::peer_lost "peer rank N (pid P) exited" within ~10 ms; a deadline
