@@ -293,7 +293,7 @@ class tcp_transport {
       try {
         connect_mesh(store, prefix, opts, topology);
       } catch (const error& e) {
-        throw_store_cause_first(store, e, rank);
+        if (e.code() == errc::peer_lost || e.code() == errc::timeout) throw_store_trouble(store, rank, &e);
         throw;
       }
     }
@@ -569,15 +569,19 @@ class tcp_transport {
     }
   }
 
-  // A peer that closed its connection or never came while the mesh was built may have left
-  // because another rank or the store's host (often rank 0) died first: the store knows of such
-  // a death, or is gone with its host. That is the cause every rank names; this rank's own
-  // finding follows it.
-  static void throw_store_cause_first(ddp::store::store& store, const error& e, int rank) {
-    if (e.code() != errc::peer_lost && e.code() != errc::timeout) return;
+  // Throws the store's trouble, if it has any: a death it heard of, or the store gone with its
+  // host (often rank 0). A peer that closed its connection or never came while the mesh was
+  // built may have left because of it, so that is the cause every rank names; this rank's own
+  // finding (`seen`, unless it already is that trouble) follows it.
+  static void throw_store_trouble(ddp::store::store& store, int rank, const error* seen = nullptr) {
     const auto trouble = ddp::store::store_trouble(store);
-    if (!trouble || e.message().find(trouble->message()) != std::string::npos) return;
-    throw error(trouble->code(), trouble->message() + " (while building the tcp mesh; then: " + e.message() + ")", {.rank = rank});
+    if (!trouble) return;
+    std::string then;
+    if (seen != nullptr) {
+      if (seen->message().find(trouble->message()) != std::string::npos) return;
+      then = "; then: " + seen->message();
+    }
+    throw error(trouble->code(), trouble->message() + " (while building the tcp mesh" + then + ")", {.rank = rank});
   }
 
   void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const rank_topology* topology) {
@@ -600,12 +604,8 @@ class tcp_transport {
     s_->address = me.str();
     const detail::tcp::nonce my_nonce = detail::tcp::random_nonce();
     auto key = [&](int r) { return prefix + "/tcp/addr/" + std::to_string(r); };
-    // The waits for peers below look at the store's departures this often.
+    // The waits for peers below ask the store this often whether it heard of a death or is gone.
     constexpr std::chrono::milliseconds departure_check_every{100};
-    auto throw_if_departed = [&] {
-      if (const auto trouble = ddp::store::store_trouble(store))
-        throw error(trouble->code(), trouble->message() + " (while building the tcp mesh)", {.rank = rank});
-    };
     store.set_string(key(rank), me.str() + " " + detail::tcp::to_hex(my_nonce));
 
     auto published = [&](int r, detail::tcp::host_port& addr, detail::tcp::nonce& n) {
@@ -643,7 +643,7 @@ class tcp_transport {
                                       std::to_string(j) + " exited or hung?",
                         {.rank = rank});
           }
-          throw_if_departed();
+          throw_store_trouble(store, rank);
         }
       }
       const auto out = detail::tcp::hello{1, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), theirs, prefix_hash}.encode();
@@ -674,13 +674,14 @@ class tcp_transport {
       std::vector<pollfd> p;
       p.push_back({listener.get(), POLLIN, 0});
       for (auto& w : waiting) p.push_back({w.fd.get(), POLLIN, 0});
-      // In slices: a rank that died before connecting is a departure the store has heard of.
+      // In slices: a rank that died before connecting is a departure the store has heard of (or
+      // the store went with its host).
       const int slice_ms = static_cast<int>(departure_check_every.count());
       const int left_ms = dl.poll_timeout_ms();
       const int rc = ::poll(p.data(), p.size(), left_ms < 0 ? slice_ms : std::min(left_ms, slice_ms));
       if (rc < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
       if (rc == 0 && !dl.expired()) {
-        throw_if_departed();
+        throw_store_trouble(store, rank);
         continue;
       }
       if (rc == 0 || dl.expired()) {
