@@ -163,13 +163,16 @@ DDP_COMPILED_INLINE std::shared_ptr<store::store> pg_make_store(const launch_env
   // Rank 0 runs the server, unless the launcher does: a rank that loses the store then names
   // its host (hosted_by).
   const bool launcher = env.store_served_by_launcher;
+  std::vector<std::uint16_t> alternates;
+  for (const int p : env.master_port_alternates) alternates.push_back(static_cast<std::uint16_t>(p));
   return std::make_shared<store::tcp_store>(store::tcp_store::options{.host = env.master_addr,
                                                                       .port = port,
                                                                       .is_server = rank == 0 && !launcher,
                                                                       .timeout = timeout,
                                                                       .job = env.job_id,
                                                                       .hosted_by = launcher ? "the launcher" : "rank 0",
-                                                                      .member = "rank " + std::to_string(rank)});
+                                                                      .member = "rank " + std::to_string(rank),
+                                                                      .alternate_ports = std::move(alternates)});
 }
 
 DDP_COMPILED_INLINE void pg_derive_local_layout(launch_environment& env, store::store& st, const std::string& prefix, int rank,

@@ -201,7 +201,7 @@ wait_for "munge credential round trip" 20 munged munge_round_trip
 
 # slurm.conf: this host as controller and only node, every path under $work, no accounting,
 # no cgroups, no SPANK plugins. Ports outside Slurm's defaults (6817/6818), the batch script's
-# 20000-39999 and the kernel's ephemeral range: inside it, an outgoing connection of a test
+# 20000-32767 and the kernel's ephemeral range: inside it, an outgoing connection of a test
 # running beside this one could hold the port, and slurmctld would fail with "Address already in use".
 host=$(hostname -s)
 cpus=$(nproc)

@@ -187,7 +187,7 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
         {"PMIX_NAMESPACE", "3178692609"}, {"SLURM_JOB_ID", "4244"}, {"SLURM_STEP_ID", "0"}, {"SLURM_PROCID", "1"},
         {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_NODEID", "1"}, {"SLURM_NNODES", "2"},
         {"SLURM_STEP_TASKS_PER_NODE", "1(x2)"}, {"SLURM_JOB_NODELIST", "cn[1-2]"}, {"MASTER_ADDR", "cn1"}},
-       launch_source::openmpi, 5, 8, 1, 4, 1, 2, "cn1", 32609, "openmpi:3178692609", false,
+       launch_source::openmpi, 5, 8, 1, 4, 1, 2, "cn1", 29633, "openmpi:3178692609", false,
        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
         "derived (OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_LOCAL_SIZE)", "derived (OMPI_COMM_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE)",
         "MASTER_ADDR", "derived (OMPI_MCA_ess_base_jobid)", "OMPI_MCA_ess_base_jobid"},
@@ -196,7 +196,7 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
        {{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
         {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"PMIX_NAMESPACE", "prterun-login1-4242@1"}, {"PMIX_RANK", "1"},
         {"SLURM_JOB_ID", "4250"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_JOB_NODELIST", "cn5"}},
-       launch_source::openmpi, 1, 2, 1, 2, 0, 1, "127.0.0.1", 26010, "openmpi:prterun-login1-4242@1", false,
+       launch_source::openmpi, 1, 2, 1, 2, 0, 1, "127.0.0.1", 22586, "openmpi:prterun-login1-4242@1", false,
        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "default",
         "derived (single node)", "default", "derived (PMIX_NAMESPACE)", "PMIX_NAMESPACE"},
        "OMPI_COMM_WORLD_RANK"},
@@ -290,7 +290,7 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
         {"FLUX_TASK_LOCAL_ID", "1"}, {"FLUX_URI", "local:///tmp/flux-abc/local-1"}, {"FLUX_KVS_NAMESPACE", "job-12345"},
         {"FLUX_JOB_TMPDIR", "/tmp/flux-abc/jobtmp-1-" + flux_id}, {"PMI_RANK", "5"}, {"PMI_SIZE", "8"}, {"PMI_FD", "12"},
         {"FLUX_PMI_LIBRARY_PATH", "/usr/lib64/flux/libpmi.so"}, {"MASTER_ADDR", "fluke1"}},
-       launch_source::flux, 5, 8, 1, 4, 1, 2, "fluke1", 35813, "flux:" + flux_id, false,
+       launch_source::flux, 5, 8, 1, 4, 1, 2, "fluke1", 30853, "flux:" + flux_id, false,
        {"FLUX_TASK_RANK", "FLUX_JOB_SIZE", "FLUX_TASK_LOCAL_ID", "derived (FLUX_JOB_SIZE / FLUX_JOB_NNODES)",
         "derived (FLUX_TASK_RANK / tasks per node, block task map)", "FLUX_JOB_NNODES", "MASTER_ADDR", "derived (FLUX_JOB_ID)",
         "FLUX_JOB_ID"},
@@ -309,7 +309,7 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
         {"PMI_JOBID", "3f9d2c1e-8b7a-4c55-9e0f-1a2b3c4d5e6f"}, {"PMI_CONTROL_PORT", "11997"}, {"PMI_SHARED_SECRET", "1234567"},
         {"PMI_NO_FORK", "1"}, {"PMI_NO_PREINITIALIZE", "1"}, {"PBS_JOBID", "1234.polaris-pbs-01"},
         {"MASTER_ADDR", "x3001c0s1b0n0"}},
-       launch_source::pals, 5, 8, 1, 4, 1, 2, "x3001c0s1b0n0", 35493, "pals:3f9d2c1e-8b7a-4c55-9e0f-1a2b3c4d5e6f", false,
+       launch_source::pals, 5, 8, 1, 4, 1, 2, "x3001c0s1b0n0", 21349, "pals:3f9d2c1e-8b7a-4c55-9e0f-1a2b3c4d5e6f", false,
        {"PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", "PMI_LOCAL_SIZE", "PALS_NODEID", "derived (PMI_SIZE / PMI_LOCAL_SIZE)",
         "MASTER_ADDR", "derived (PALS_APID)", "PALS_APID"},
        "PALS_RANKID (PMI_RANK, PMI_SIZE agree: pals's own PMI)"},
@@ -334,7 +334,7 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
        "OMPI_COMM_WORLD_RANK (mpirun inside a lsf job"},
       {"an element of an LSF job array: LSB_JOBID[LSB_JOBINDEX]",
        {{"LSB_JOBID", "5678"}, {"LSB_JOBINDEX", "3"}, {"JSM_NAMESPACE_RANK", "0"}, {"JSM_NAMESPACE_SIZE", "1"}},
-       launch_source::lsf, 0, 1, 0, 1, 0, 1, "127.0.0.1", 35269, "lsf:5678[3]", false,
+       launch_source::lsf, 0, 1, 0, 1, 0, 1, "127.0.0.1", 32197, "lsf:5678[3]", false,
        {"JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE", "default", "derived (JSM_NAMESPACE_SIZE, single node)", "default",
         "derived (single node)", "default", "derived (LSB_JOBID, LSB_JOBINDEX)", "LSB_JOBID, LSB_JOBINDEX"},
        "JSM_NAMESPACE_RANK"},
@@ -365,19 +365,19 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
        "RANK"},
       {"DDP_JOB_ID over Slurm's id, and the default port from it",
        {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_JOB_ID", "5"}, {"SLURM_STEP_ID", "0"}, {"DDP_JOB_ID", "ddprun:7f3a9c"}},
-       launch_source::slurm, 0, 1, 0, 1, 0, 1, "127.0.0.1", 26019, "ddprun:7f3a9c", false,
+       launch_source::slurm, 0, 1, 0, 1, 0, 1, "127.0.0.1", 22403, "ddprun:7f3a9c", false,
        {"SLURM_PROCID", "SLURM_NTASKS", "default", "derived (SLURM_NTASKS, single node)", "default", "derived (single node)",
         "default", "derived (DDP_JOB_ID)", "DDP_JOB_ID"},
        "SLURM_PROCID"},
-      {"Slurm without MASTER_PORT: step 3 of job 1234 gets 20000 + (1234 + 3 x 7919) % 20000",
+      {"Slurm without MASTER_PORT: step 3 of job 1234 gets 20000 + (1234 + 3 x 7919) % 12768",
        {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_JOB_ID", "1234"}, {"SLURM_STEP_ID", "3"},
         {"SLURM_STEP_NODELIST", "n1"}},
-       launch_source::slurm, 0, 2, 0, 2, 0, 1, "n1", 24991, "slurm:1234.3", false,
+       launch_source::slurm, 0, 2, 0, 2, 0, 1, "n1", 32223, "slurm:1234.3", false,
        {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "derived (SLURM_NTASKS, single node)", "default",
         "derived (single node)", "derived (first host of SLURM_STEP_NODELIST)", "derived (SLURM_JOB_ID, SLURM_STEP_ID)",
         "SLURM_JOB_ID, SLURM_STEP_ID"},
        "SLURM_PROCID"},
-      {"Slurm's old spelling SLURM_JOBID without a step: the sbatch example's port, 20000 + 1234",
+      {"Slurm's old spelling SLURM_JOBID without a step: 20000 + 1234",
        {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}, {"SLURM_JOBID", "1234"}},
        launch_source::slurm, 1, 2, 1, 2, 0, 1, "127.0.0.1", 21234, "slurm:1234", false,
        {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "derived (SLURM_NTASKS, single node)", "default",
@@ -413,7 +413,7 @@ TEST_CASE("launch_environment follows the launcher that started the process, wit
   }
 }
 
-TEST_CASE("launch_environment's default port spreads jobs and steps over 20000-39999") {
+TEST_CASE("launch_environment's default port spreads jobs and steps over 20000-32767, below the ephemeral ports") {
   // Consecutive jobs, and the steps of one job, get distinct ports; non-numeric ids are hashed.
   std::vector<int> ports;
   for (int job = 1000; job < 1100; ++job) {
@@ -421,7 +421,7 @@ TEST_CASE("launch_environment's default port spreads jobs and steps over 20000-3
       const auto env = env_from({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_JOB_ID", std::to_string(job)},
                                  {"SLURM_STEP_ID", std::to_string(step)}});
       CHECK(env.master_port >= 20000);
-      CHECK(env.master_port < 40000);
+      CHECK(env.master_port < 32768);
       ports.push_back(env.master_port);
     }
   }
@@ -432,6 +432,23 @@ TEST_CASE("launch_environment's default port spreads jobs and steps over 20000-3
   const auto b = env_from({{"FLUX_TASK_RANK", "1"}, {"FLUX_JOB_SIZE", "2"}, {"FLUX_JOB_ID", "f3abc"}, {"FLUX_TASK_LOCAL_ID", "1"}});
   CHECK(a.master_port == b.master_port);
   CHECK(a.master_port != env_from({{"FLUX_TASK_RANK", "0"}, {"FLUX_JOB_SIZE", "2"}, {"FLUX_JOB_ID", "f3abd"}}).master_port);
+  // A derived port has 7 alternates in the same range, distinct from it and from each other,
+  // 4099 apart modulo 12768; the same on every rank.
+  CHECK(a.master_port_alternates == b.master_port_alternates);
+  const auto slurm = env_from({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", "1234"}});
+  REQUIRE(slurm.master_port == 21234);
+  CHECK(slurm.master_port_alternates == std::vector<int>{25333, 29432, 20763, 24862, 28961, 20292, 24391});
+  for (const auto& env : {a, slurm}) {
+    std::vector<int> all = env.master_port_alternates;
+    all.push_back(env.master_port);
+    CHECK(all.size() == 8);
+    for (const int p : all) CHECK((p >= 20000 && p < 32768));
+    std::sort(all.begin(), all.end());
+    CHECK(std::adjacent_find(all.begin(), all.end()) == all.end());
+  }
+  // A given port has none.
+  CHECK(env_from({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", "1234"}, {"MASTER_PORT", "4000"}})
+            .master_port_alternates.empty());
   // No source: a world of one keeps 29500 whatever the ids.
   CHECK(env_from({{"DDP_JOB_ID", "x"}}).master_port == 29500);
   CHECK(env_from({{"DDP_JOB_ID", "x"}}).job_id == "x");

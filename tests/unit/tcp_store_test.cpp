@@ -907,4 +907,125 @@ TEST_CASE("tcp_store: a port held by a program that is not a ddp store is named 
   }
 }
 
+// A listener that never greets, as PyTorch's TCPStore (torchrun's agent) does; port() says where.
+struct silent_listener {
+  ds::unique_fd fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  std::uint16_t port = 0;
+  silent_listener() {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    REQUIRE(::listen(fd.get(), 8) == 0);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+};
+
+// A port free a moment ago (a server bound it and stopped).
+std::uint16_t recently_free_port() {
+  tcp_store_server probe({.port = 0, .token = std::string()});
+  return probe.port();
+}
+
+TEST_CASE("tcp_store: with alternate ports, a server passes over another job's store and a silent program, and its ranks find it") {
+  tcp_store_server other_job({.port = 0, .token = std::string(), .job = "slurm:41.0"});
+  tcp_store other_rank({.port = other_job.port(), .timeout = 5s, .token = std::string(), .job = "slurm:41.0"});
+  other_rank.set_string("k", "of job 41");
+  const silent_listener stranger;
+  const std::uint16_t free = recently_free_port();
+  const std::vector<std::uint16_t> alternates{stranger.port, free};
+
+  // A rank that starts looking before its server is up.
+  std::string early_result, early_failure;
+  std::uint16_t early_port = 0;
+  std::thread early([&] {
+    try {
+      tcp_store c({.port = other_job.port(), .timeout = 20s, .token = std::string(), .job = "slurm:42.0", .alternate_ports = alternates});
+      early_port = c.port();
+      early_result = c.get_string("hello");
+    } catch (const std::exception& e) {
+      early_failure = e.what();
+    }
+  });
+  ::poll(nullptr, 0, 300);  // let it find nothing for a while
+  log_capture log;
+  tcp_store rank0({.port = other_job.port(),
+                   .is_server = true,
+                   .timeout = 10s,
+                   .token = std::string(),
+                   .log = log.sink(),
+                   .job = "slurm:42.0",
+                   .alternate_ports = alternates});
+  CHECK(rank0.port() == free);
+  CHECK(log.contains("is in use by the ddp store of job slurm:41.0"));
+  CHECK(log.contains("is in use by a program that is not a ddp store"));
+  CHECK(log.contains("serving on " + std::to_string(free) + ", alternate 2"));
+  rank0.set_string("hello", "job 42");
+  early.join();
+  CHECK(early_failure.empty());
+  CHECK(early_port == free);
+  CHECK(early_result == "job 42");
+
+  // A rank that starts after it, and the other job, untouched.
+  tcp_store late({.port = other_job.port(), .timeout = 10s, .token = std::string(), .job = "slurm:42.0", .alternate_ports = alternates});
+  CHECK(late.port() == free);
+  CHECK(late.get_string("hello") == "job 42");
+  CHECK(other_rank.num_keys() == 1);
+  CHECK(other_rank.get_string("k") == "of job 41");
+}
+
+TEST_CASE("tcp_store: with alternate ports, a store of the same job on the port is still an error, and so are all ports held") {
+  tcp_store_server twin({.port = 0, .token = std::string(), .job = "slurm:41.0"});
+  const std::uint16_t free = recently_free_port();
+  try {
+    tcp_store_server second({.port = twin.port(), .token = std::string(), .job = "slurm:41.0", .alternate_ports = {free}});
+    FAIL("a second store of one job took an alternate port");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("by a store of this same job slurm:41.0 (several launchers"));
+  }
+  const silent_listener stranger;
+  try {
+    tcp_store_server boxed_in({.port = twin.port(), .token = std::string(), .job = "slurm:42.0", .alternate_ports = {stranger.port}});
+    FAIL("a server bound a port in use");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("derived port and its 1 alternates are all in use") && Catch::Contains("slurm:41.0") &&
+                             Catch::Contains(std::to_string(stranger.port)) && Catch::Contains("set MASTER_PORT"));
+  }
+  // A client whose every port is held by another job's store says so at once.
+  tcp_store_server other({.port = 0, .token = std::string(), .job = "slurm:43.0"});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    tcp_store c({.port = twin.port(), .timeout = 30s, .token = std::string(), .job = "slurm:42.0", .alternate_ports = {other.port()}});
+    FAIL("joined a store of another job");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("all held by others") && Catch::Contains("slurm:41.0") && Catch::Contains("slurm:43.0"));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+  CHECK_THROWS_AS(tcp_store({.port = twin.port(), .timeout = 1s, .token = std::string(), .alternate_ports = {free}}), ddp::error);
+}
+
+TEST_CASE("tcp_store: with alternate ports and no server, the connect deadline names every port and what held it") {
+  const silent_listener stranger;
+  const std::uint16_t free = recently_free_port();
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    tcp_store c({.port = free, .timeout = 1500ms, .token = std::string(), .job = "slurm:42.0", .alternate_ports = {stranger.port}});
+    FAIL("connected to nothing");
+  } catch (const ddp::error& e) {
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    CHECK(e.code() == ddp::errc::timeout);
+    CHECK_THAT(e.what(), Catch::Contains("could not find the store of job slurm:42.0 at 127.0.0.1") &&
+                             Catch::Contains(std::to_string(free) + ": connect: Connection refused") &&
+                             Catch::Contains(std::to_string(stranger.port) + " is held by a program that is not a ddp store") &&
+                             Catch::Contains("MASTER_ADDR"));
+    CHECK(elapsed >= 1500ms);
+    CHECK(elapsed < 3s);
+  }
+}
+
 }  // namespace ddp_test_tcp_store

@@ -74,11 +74,14 @@
 // MASTER_ADDR (else PET_MASTER_ADDR) overrides the address of every source. Without either, a
 // single-node job uses 127.0.0.1 and a Slurm job the first host of its node list; a multi-node
 // job from any other source is an error. MASTER_PORT (else PET_MASTER_PORT) sets the port; without
-// either, a job with an identity uses 20000 + n % 20000, with n = JOB + 7919 x STEP for a numeric
+// either, a job with an identity uses 20000 + n % 12768, with n = JOB + 7919 x STEP for a numeric
 // "JOB" or "JOB.STEP" id (Slurm, LSF, Open MPI 4) and an FNV-1a hash of the id otherwise, so that
-// two jobs, or two steps of one job, sharing a node do not collide (7919 is prime to 20000: the
-// steps of one job get distinct ports). Step 0 of a Slurm job gets 20000 + SLURM_JOB_ID % 20000,
-// the port examples/slurm/train_ddp.sbatch exports. Otherwise 29500.
+// two jobs, or two steps of one job, sharing a node do not collide (7919 is prime to 12768: the
+// steps of one job get distinct ports), below the kernel's ephemeral ports (32768 and up by
+// default). Step 0 of a Slurm job gets 20000 + SLURM_JOB_ID % 12768 (examples/slurm/train_ddp.sbatch
+// leaves the port to this). Two ids can still meet on one port, and anything else
+// may hold it: a derived port comes with 7 alternates (master_port_alternates), which rank 0's
+// store moves to and every rank searches. Otherwise 29500.
 // DDP_TIMEOUT (seconds) sets the default deadline.
 // DDP_HEARTBEAT_TIMEOUT (seconds, 0 = off, default 5) sets how long the ring backend tolerates a
 // peer whose heartbeat has stopped (default_heartbeat_timeout()).

@@ -31,6 +31,14 @@
 // port before it sends anything but its hello, so two jobs on one port never mix. A server that
 // cannot bind because the port is taken asks the holder's greeting who it is, and says so.
 //
+// Alternate ports (options::alternate_ports, for a port derived from the job's identity rather
+// than given, launch_environment::master_port_alternates): a server whose port is held by
+// anything but a store of its own job takes the first free alternate and logs the move; a client
+// looks on the port and each alternate, in turn, for the store that greets with its job, skipping
+// the ports another job's store or another program holds. Two jobs whose ids meet on one port,
+// or a port that an unrelated process holds, then cost a move instead of the job. A given port
+// has no alternates: another holder stays an error, naming it.
+//
 // Client: connects with retry until its deadline (the server may start after its clients), then
 // every call is bounded by timeout(). A server that goes away is errc::store at once ("store
 // server 127.0.0.1:29500 closed the connection"; with options::hosted_by "rank 0": "the store
@@ -40,6 +48,7 @@
 // from several threads are serialized on the one connection. Neither a client nor a server may
 // be used across fork(): create them in the process that uses them (the socket would be shared).
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -97,39 +106,67 @@ inline store_auth resolve_auth(const std::optional<std::string>& token, std::str
 
 inline bool is_wildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "::" || host == "*"; }
 
-/// Who holds host:port, for the "already in use" message: a ddp store greets every new
-/// connection at once, so its hello names its job; anything else stays silent.
-inline std::string describe_port_holder(const std::string& host, std::uint16_t port, const std::string& my_job) {
-  const std::string mine = my_job.empty() ? std::string() : " (this rank is of job " + job_field_text(my_job) + ")";
+/// What a connection to a port found: the store of this job, another holder (another job's
+/// store, another ddp version, a program that is not a ddp store), or nothing yet (no greeting:
+/// a program that never greets, or a store too busy to greet in time).
+enum class port_holder { store_of_job, other, silent };
+
+struct port_greeting {
+  port_holder holder = port_holder::silent;
+  std::array<std::byte, server_hello_bytes> hello{};
+  std::string description;  // " by ...", for messages
+};
+
+/// Sends this client's hello on a connected fd and reads who answers: a ddp store greets every
+/// new connection at once, and its hello names its job.
+inline port_greeting read_port_greeting(int fd, std::span<const std::byte, nonce_bytes> mine, const std::string& my_job,
+                                        const deadline& until) {
+  port_greeting g;
+  const std::string of_mine = my_job.empty() ? std::string() : " (this rank is of job " + job_field_text(my_job) + ")";
+  // A ddp store of any version greets with magic and version (an older one without being asked).
+  (void)send_all_by(fd, encode_client_hello(mine), until);
+  const auto got = recv_exact_by(fd, std::span(g.hello).first(8), until);
+  const bool store_magic = got.status == transfer_status::done && get_le<std::uint32_t>(g.hello.data()) == protocol_magic;
+  if (!store_magic) {
+    g.holder = got.status == transfer_status::done ? port_holder::other : port_holder::silent;
+    g.description = " by a program that is not a ddp store (under torchrun: its agent's TCPStore, which ddp joins when "
+                    "TORCHELASTIC_USE_AGENT_STORE=True; else another program or a PyTorch job)" + of_mine;
+    return g;
+  }
+  g.holder = port_holder::other;
+  if (const auto version = get_le<std::uint16_t>(g.hello.data() + 4); version != protocol_version) {
+    g.description = " by a ddp store of protocol version " + std::to_string(version) + " (another ddp version: another job or a leftover process)" + of_mine;
+    return g;
+  }
+  if (recv_exact_by(fd, std::span(g.hello).subspan(8), until).status != transfer_status::done) {
+    g.holder = port_holder::silent;
+    g.description = " by a ddp store that did not finish its greeting" + of_mine;
+    return g;
+  }
+  const std::string theirs = server_hello_job(g.hello);
+  if (theirs.empty()) {
+    g.description = " by the ddp store of another job or a leftover process" + of_mine;
+  } else if (theirs == job_field_text(my_job)) {
+    g.holder = port_holder::store_of_job;
+    g.description = " by a store of this same job " + theirs + " (several launchers each started a whole job? e.g. srun -n2 over ddprun --nnodes=1)";
+  } else {
+    g.description = " by the ddp store of job " + theirs + of_mine + " (two jobs on one port: give each its own MASTER_PORT)";
+  }
+  return g;
+}
+
+/// Who holds host:port, for the "already in use" message and for a server deciding whether to
+/// move to an alternate port.
+inline port_greeting identify_port_holder(const std::string& host, std::uint16_t port, const std::string& my_job) {
   unique_fd fd;
   try {
     fd = connect_with_retry(host.empty() ? std::string("127.0.0.1") : host, port, deadline::after(std::chrono::milliseconds(300)));
   } catch (const error&) {
-    return " (another job or a leftover process?)";
+    return {.holder = port_holder::silent, .description = " (another job or a leftover process?)"};
   }
   nonce probe{};
   random_bytes(probe);
-  const auto until = deadline::after(std::chrono::milliseconds(300));
-  std::array<std::byte, server_hello_bytes> hello{};
-  // A ddp store of any version greets with magic and version (an older one without being asked).
-  (void)send_all_by(fd.get(), encode_client_hello(probe), until);
-  const auto got = recv_exact_by(fd.get(), std::span(hello).first(8), until);
-  if (got.status != transfer_status::done || get_le<std::uint32_t>(hello.data()) != protocol_magic) {
-    return " by a program that is not a ddp store (under torchrun: its agent's TCPStore, which ddp joins when "
-           "TORCHELASTIC_USE_AGENT_STORE=True; else another program or a PyTorch job)" + mine;
-  }
-  if (const auto version = get_le<std::uint16_t>(hello.data() + 4); version != protocol_version) {
-    return " by a ddp store of protocol version " + std::to_string(version) + " (another ddp version: another job or a leftover process)" + mine;
-  }
-  if (recv_exact_by(fd.get(), std::span(hello).subspan(8), until).status != transfer_status::done)
-    return " by a ddp store that did not finish its greeting" + mine;
-  const std::string theirs = server_hello_job(hello);
-  if (theirs.empty()) return " by the ddp store of another job or a leftover process" + mine;
-  if (theirs == job_field_text(my_job)) {
-    return " by a store of this same job " + theirs +
-           " (several launchers each started a whole job? e.g. srun -n2 over ddprun --nnodes=1)";
-  }
-  return " by the ddp store of job " + theirs + mine + " (two jobs on one port: give each its own MASTER_PORT)";
+  return read_port_greeting(fd.get(), probe, my_job, deadline::after(std::chrono::milliseconds(300)));
 }
 
 }  // namespace detail
@@ -145,6 +182,9 @@ class tcp_store_server {
     std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
     store_log_fn log = {};  // default: "ddp: store server H:P: <reason>" on stderr
     std::string job = {};   // the job this store serves; empty: no identity check
+    // Where to serve when `port` is held by anything but a store of this job ("Alternate
+    // ports" above); needs a job. Empty: a held port is an error.
+    std::vector<std::uint16_t> alternate_ports = {};
     // The bounds of detail/server_core.hpp ("Bounds").
     std::chrono::milliseconds frame_timeout = std::chrono::seconds(60);
     std::size_t frame_budget = detail::server_core::default_frame_budget;
@@ -165,7 +205,10 @@ class tcp_store_server {
                                     auth.off_reason +
                                     "): set DDP_STORE_TOKEN, or give the address of one interface (127.0.0.1 for a single host)");
     }
-    listen_on(opts.host == "*" ? std::string() : opts.host, opts.port, opts.job);
+    if (!opts.alternate_ports.empty() && opts.job.empty()) {
+      throw error(errc::invalid_argument, "tcp_store_server: alternate ports need a job identity, which the clients look for");
+    }
+    const std::string moved = listen_on(opts.host == "*" ? std::string() : opts.host, opts.port, opts.job, opts.alternate_ports);
     int pipe_fds[2];
     if (::pipe2(pipe_fds, O_NONBLOCK | O_CLOEXEC) != 0) throw error(errc::store, system_message("pipe2"));
     wake_read_.reset(pipe_fds[0]);
@@ -174,6 +217,7 @@ class tcp_store_server {
       std::fprintf(stderr, "ddp: store server %s: %s\n", addr.c_str(), line.c_str());
     });
     if (token.empty()) log_("authentication is off (" + auth.off_reason + "): any local process can read and write this store");
+    if (!moved.empty()) log_(moved);
     core_ = std::make_unique<detail::server_core>(detail::server_core::options{.token = token,
                                                                                .job = opts.job,
                                                                                .handshake_timeout = opts.handshake_timeout,
@@ -201,9 +245,35 @@ class tcp_store_server {
   std::string address() const { return detail::host_port(host_, port_); }
 
  private:
-  void listen_on(const std::string& host, std::uint16_t port, const std::string& job) {
+  // Binds and listens on the first of port, alternates... that is free (see "Alternate ports");
+  // returns what the log should say about the ports passed over, or "".
+  std::string listen_on(const std::string& host, std::uint16_t port, const std::string& job, const std::vector<std::uint16_t>& alternates) {
+    const auto where = [&](std::uint16_t p) { return detail::host_port(host.empty() ? "0.0.0.0" : host, p); };
+    std::string passed_over;
+    for (std::size_t i = 0; i <= alternates.size(); ++i) {
+      const std::uint16_t candidate = i == 0 ? port : alternates[i - 1];
+      const char* refused_by = bind_and_listen(host, candidate, where(candidate));
+      if (refused_by == nullptr) {
+        return passed_over.empty() ? std::string()
+                                   : passed_over + "; serving on " + std::to_string(port_) + ", alternate " + std::to_string(i) +
+                                         " of the job's derived port, where its ranks look for it";
+      }
+      const auto holder = detail::identify_port_holder(host, candidate, job);
+      if (alternates.empty() || holder.holder == detail::port_holder::store_of_job) {
+        throw error(errc::config, where(candidate) + " is already in use" + holder.description + ": " + system_message(refused_by, EADDRINUSE),
+                    {.op = "store.listen", .backend_code = EADDRINUSE});
+      }
+      passed_over += (passed_over.empty() ? "" : "; ") + where(candidate) + " is in use" + holder.description;
+    }
+    throw error(errc::config, "the job's derived port and its " + std::to_string(alternates.size()) +
+                                  " alternates are all in use: " + passed_over + " (set MASTER_PORT to a free port)",
+                {.op = "store.listen", .backend_code = EADDRINUSE});
+  }
+
+  // Binds and listens on host:port: nullptr when listening, else the call ("bind" or "listen")
+  // that found the port in use; any other failure throws.
+  const char* bind_and_listen(const std::string& host, std::uint16_t port, const std::string& where) {
     const auto list = detail::resolve(host, port, true);
-    const std::string where = detail::host_port(host.empty() ? "0.0.0.0" : host, port);
     int last = 0;
     for (const addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
       detail::unique_fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol));
@@ -217,18 +287,14 @@ class tcp_store_server {
       ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
       // In use: bind() says so, or, when another server bound the port in the same instant
       // (SO_REUSEADDR lets two sockets bind until one listens), listen() does.
-      auto in_use = [&](const char* call) {
-        return error(errc::config, where + " is already in use" + detail::describe_port_holder(host, port, job) + ": " + system_message(call, EADDRINUSE),
-                     {.op = "store.listen", .backend_code = EADDRINUSE});
-      };
       if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
         last = errno;
-        if (last == EADDRINUSE) throw in_use("bind");
+        if (last == EADDRINUSE) return "bind";
         continue;
       }
       if (::listen(fd.get(), SOMAXCONN) != 0) {
         last = errno;
-        if (last == EADDRINUSE) throw in_use("listen");
+        if (last == EADDRINUSE) return "listen";
         continue;
       }
       sockaddr_storage ss{};
@@ -237,7 +303,7 @@ class tcp_store_server {
       port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                              : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
       listen_ = std::move(fd);
-      return;
+      return nullptr;
     }
     throw error(errc::config, "cannot listen on " + where + ": " + system_message("bind", last) +
                                   (last == EADDRNOTAVAIL ? " (that address is not on this host)" : ""),
@@ -421,15 +487,26 @@ class tcp_store final : public store {
     // if this process dies, every rank waiting on the store hears it named at once. The
     // destructor says `leave`. Empty: an anonymous client, whose close means nothing.
     std::string member = {};
+    // Where else the server may be ("Alternate ports" above); needs a job.
+    std::vector<std::uint16_t> alternate_ports = {};
   };
 
-  explicit tcp_store(options opts) : host_(opts.host), port_(opts.port), job_(opts.job), hosted_by_(opts.hosted_by), member_(opts.member) {
+  explicit tcp_store(options opts)
+      : host_(opts.host), port_(opts.port), alternates_(opts.alternate_ports), job_(opts.job), hosted_by_(opts.hosted_by), member_(opts.member) {
     set_timeout(opts.timeout);
     auth_ = detail::resolve_auth(opts.token, job_);
+    if (!alternates_.empty() && job_.empty()) {
+      throw error(errc::invalid_argument, "tcp_store: alternate ports need a job identity, to tell this job's store from others");
+    }
     if (opts.is_server) {
-      server_ = std::make_unique<tcp_store_server>(tcp_store_server::options{
-          .host = opts.host, .port = opts.port, .token = opts.token, .log = std::move(opts.log), .job = opts.job});
+      server_ = std::make_unique<tcp_store_server>(tcp_store_server::options{.host = opts.host,
+                                                                             .port = opts.port,
+                                                                             .token = opts.token,
+                                                                             .log = std::move(opts.log),
+                                                                             .job = opts.job,
+                                                                             .alternate_ports = opts.alternate_ports});
       port_ = server_->port();
+      alternates_.clear();  // this process knows where its server is
     }
     connect(auth_.token, deadline::after(opts.timeout));
     if (!member_.empty()) {
@@ -526,12 +603,37 @@ class tcp_store final : public store {
   }
 
   void connect(const std::string& token, const deadline& until) {
-    fd_ = detail::connect_with_retry(host_, port_, until);
     const char* op = "store.connect";
     detail::nonce mine{};
     detail::random_bytes(mine);
-    send_all(detail::encode_client_hello(mine), until, op);
     std::array<std::byte, detail::server_hello_bytes> hello{};
+    if (!alternates_.empty()) {
+      hello = find_store_of_job(mine, until);
+    } else {
+      fd_ = detail::connect_with_retry(host_, port_, until);
+      send_all(detail::encode_client_hello(mine), until, op);
+      greet(hello, until, op);
+    }
+    const auto server_nonce = detail::server_hello_nonce(hello);
+    if (!token.empty()) {
+      // The server proves it knows the token before this rank sends anything about itself.
+      const auto flags = detail::get_le<std::uint16_t>(hello.data() + 6);
+      const auto expected = detail::server_proof(token, mine, server_nonce);
+      if ((flags & detail::flag_token_required) == 0 || !detail::constant_time_equal(detail::server_hello_proof(hello), expected)) {
+        fail(errc::store, "the store at " + address() +
+                              " does not know this job's token: another job or a stranger holds the port" + auth_note(),
+             op);
+      }
+    }
+    send_all(detail::encode_client_proof(detail::client_proof(token, server_nonce, mine), job_), until, op);
+    std::array<std::byte, 1> verdict{};
+    recv_exact(verdict, until, op, " during the handshake (wrong or missing DDP_STORE_TOKEN?)" + auth_note());
+    if (verdict[0] != std::byte{1}) fail(errc::store, "store refused the connection: wrong or missing DDP_STORE_TOKEN" + auth_note(), op);
+  }
+
+  // Reads the server's greeting on fd_ (this client's hello sent) and checks it is a ddp store of
+  // this version and of this job.
+  void greet(std::array<std::byte, detail::server_hello_bytes>& hello, const deadline& until, const char* op) {
     // Magic and version first: a server of another version sends a hello of another length.
     recv_exact(std::span(hello).first(8), until, op, " during the handshake");
     if (detail::get_le<std::uint32_t>(hello.data()) != detail::protocol_magic) {
@@ -549,21 +651,61 @@ class tcp_store final : public store {
                              detail::job_field_text(job_) + " (two jobs on one port: give each its own MASTER_PORT)",
            op);
     }
-    const auto server_nonce = detail::server_hello_nonce(hello);
-    if (!token.empty()) {
-      // The server proves it knows the token before this rank sends anything about itself.
-      const auto flags = detail::get_le<std::uint16_t>(hello.data() + 6);
-      const auto expected = detail::server_proof(token, mine, server_nonce);
-      if ((flags & detail::flag_token_required) == 0 || !detail::constant_time_equal(detail::server_hello_proof(hello), expected)) {
-        fail(errc::store, "the store at " + address() +
-                              " does not know this job's token: another job or a stranger holds the port" + auth_note(),
-             op);
+  }
+
+  // Looks on port_ and each alternate, in turn, for the store that greets with this job (this
+  // client's hello sent); sets fd_ and port_ to it and returns its greeting. A port held by
+  // another job's store or another program is skipped from then on; one that does not greet is
+  // asked again on the next round, allowed longer each time (a loaded server greets late).
+  std::array<std::byte, detail::server_hello_bytes> find_store_of_job(std::span<const std::byte, detail::nonce_bytes> mine,
+                                                                      const deadline& until) {
+    std::vector<std::uint16_t> ports{port_};
+    ports.insert(ports.end(), alternates_.begin(), alternates_.end());
+    std::vector<std::string> found(ports.size(), ": no answer");
+    std::vector<bool> held_by_other(ports.size(), false);
+    auto greeting_wait = std::chrono::milliseconds(500);
+    int pause_ms = 10;
+    while (true) {
+      for (std::size_t i = 0; i < ports.size(); ++i) {
+        if (held_by_other[i]) continue;
+        const deadline attempt(std::min(until.time_point(), deadline::after(greeting_wait).time_point()));
+        detail::unique_fd fd;
+        try {
+          const auto list = detail::resolve(host_, ports[i], false);
+          int err = 0;
+          for (const addrinfo* ai = list.get(); ai != nullptr && !fd; ai = ai->ai_next) fd = detail::try_connect(ai, attempt, err);
+          if (!fd) found[i] = ": " + system_message("connect", err);
+        } catch (const error& e) {
+          found[i] = ": " + e.message();  // the name may resolve later
+        }
+        if (!fd) continue;
+        auto g = detail::read_port_greeting(fd.get(), mine, job_, attempt);
+        if (g.holder == detail::port_holder::store_of_job) {
+          fd_ = std::move(fd);
+          port_ = ports[i];
+          return g.hello;
+        }
+        held_by_other[i] = g.holder == detail::port_holder::other;
+        found[i] = " is held" + g.description;
       }
+      std::string seen;
+      for (std::size_t i = 0; i < ports.size(); ++i) seen += (i == 0 ? "" : "; ") + std::to_string(ports[i]) + found[i];
+      if (std::all_of(held_by_other.begin(), held_by_other.end(), [](bool b) { return b; })) {
+        throw error(errc::config, "no store of job " + detail::job_field_text(job_) + " at " + host_ + " on its derived port or alternates, all held by others (" +
+                                      seen + "); set MASTER_PORT to a free port",
+                    {.op = "store.connect"});
+      }
+      if (until.expired()) {
+        throw error(errc::timeout, "could not find the store of job " + detail::job_field_text(job_) + " at " + host_ +
+                                       " on its derived port or alternates before the deadline (" + seen +
+                                       "); is rank 0 running and MASTER_ADDR right?",
+                    {.op = "store.connect"});
+      }
+      const int left = until.poll_timeout_ms();
+      ::poll(nullptr, 0, left < 0 ? pause_ms : std::min(pause_ms, left));
+      pause_ms = std::min(pause_ms * 2, 200);
+      greeting_wait = std::min(greeting_wait * 2, std::chrono::milliseconds(4000));
     }
-    send_all(detail::encode_client_proof(detail::client_proof(token, server_nonce, mine), job_), until, op);
-    std::array<std::byte, 1> verdict{};
-    recv_exact(verdict, until, op, " during the handshake (wrong or missing DDP_STORE_TOKEN?)" + auth_note());
-    if (verdict[0] != std::byte{1}) fail(errc::store, "store refused the connection: wrong or missing DDP_STORE_TOKEN" + auth_note(), op);
   }
 
   // Why this client's token may differ from the server's, for refusals; never the token itself.
@@ -658,6 +800,7 @@ class tcp_store final : public store {
 
   std::string host_;
   std::uint16_t port_;
+  std::vector<std::uint16_t> alternates_;
   std::string job_;
   std::string hosted_by_;
   std::string member_;

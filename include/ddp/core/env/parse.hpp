@@ -49,10 +49,15 @@ inline bool is_loopback(std::string_view addr) noexcept {
   return addr == "localhost" || addr == "::1" || addr == "[::1]" || addr.substr(0, 4) == "127.";
 }
 
-/// The default port of a job with an identity (see ddp/core/env.hpp): 20000 + n % 20000,
+/// The default port of a job with an identity (see ddp/core/env.hpp): 20000 + n % 12768,
 /// n = JOB + 7919 x STEP for an id "<launcher>:JOB" or "<launcher>:JOB.STEP" of digits, else an
 /// FNV-1a hash of the whole id.
 int port_from_job_id(std::string_view job_id) noexcept;
+
+/// The ports a derived port's store moves to, in order, when something else holds it: 7 more of
+/// 20000-32767, 4099 apart (prime to the range, so they are distinct, and apart from the ports of
+/// the neighbouring job ids).
+std::vector<int> derived_port_alternates(int port);
 
 /// Slurm's tasks-per-node syntax, "2(x3),1" -> {2, 2, 2, 1}.
 std::vector<int> expand_tasks_per_node(std::string_view name, std::string_view text);
@@ -91,8 +96,13 @@ DDP_COMPILED_INLINE int parse_port(std::string_view name, const char* text) {
   return static_cast<int>(*v);
 }
 
+// Below 32768, where Linux's ephemeral ports start by default: there, an outgoing connection of
+// any process on the host could hold a job's port.
+inline constexpr int derived_port_first = 20000;
+inline constexpr int derived_port_count = 12768;
+
 DDP_COMPILED_INLINE int port_from_job_id(std::string_view job_id) noexcept {
-  constexpr std::uint64_t range = 20000;
+  constexpr auto range = static_cast<std::uint64_t>(derived_port_count);
   std::string_view id = job_id;
   if (const auto colon = id.find(':'); colon != std::string_view::npos) id.remove_prefix(colon + 1);
   const auto dot = id.find('.');
@@ -105,7 +115,13 @@ DDP_COMPILED_INLINE int port_from_job_id(std::string_view job_id) noexcept {
     n = 14695981039346656037ull;  // FNV-1a, 64 bits
     for (const char c : job_id) n = (n ^ static_cast<unsigned char>(c)) * 1099511628211ull;
   }
-  return static_cast<int>(range + n % range);
+  return derived_port_first + static_cast<int>(n % range);
+}
+
+DDP_COMPILED_INLINE std::vector<int> derived_port_alternates(int port) {
+  std::vector<int> ports;
+  for (int k = 1; k <= 7; ++k) ports.push_back(derived_port_first + (port - derived_port_first + k * 4099) % derived_port_count);
+  return ports;
 }
 
 DDP_COMPILED_INLINE std::vector<int> expand_tasks_per_node(std::string_view name, std::string_view text) {

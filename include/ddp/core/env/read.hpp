@@ -512,6 +512,7 @@ DDP_COMPILED_INLINE launch_environment launch_environment::read_environment(cons
     env.origin.master_port = port_name;
   } else if (env.source_ != launch_source::none && !env.job_id.empty()) {
     env.master_port = detail::port_from_job_id(env.job_id);
+    env.master_port_alternates = detail::derived_port_alternates(env.master_port);
     env.origin.master_port = "derived (" + env.origin.job_id + ")";
   }
   if (const char* t = get("DDP_TIMEOUT")) {
