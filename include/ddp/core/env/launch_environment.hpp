@@ -71,7 +71,7 @@ class launch_environment {
   int master_port = 29500;
   /// With a master_port derived from the job's identity (no MASTER_PORT): the ports rank 0's
   /// store takes, in order, when something else holds master_port, and where every rank looks
-  /// for it (store/tcp_store.hpp, "Alternate ports"). Empty when the port was given.
+  /// for it (store/tcp_store_server.hpp, "Alternate ports"). Empty when the port was given.
   std::vector<int> master_port_alternates;
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
   /// The job's identity, the same on every rank, e.g. "slurm:1234.0"; "" when none.

@@ -1,7 +1,7 @@
 #pragma once
 // The tcp_store server without its sockets: per-connection protocol state (handshake, token
 // proof, request frames), the key-value map, and the parked get()/wait() requests. The socket
-// loop in tcp_store.hpp feeds it received bytes and writes out what it queues; the fuzzer
+// loop in tcp_store_server.hpp feeds it received bytes and writes out what it queues; the fuzzer
 // (tests/fuzz) drives it directly with many virtual connections.
 //
 // A parked request stops its connection's processing (responses stay in request order); bytes
@@ -203,7 +203,7 @@ class server_core {
   /// The members whose connections closed without leaving, in the order they went.
   const std::vector<std::string>& departed() const noexcept { return departed_; }
   /// Connections that may still need the store: every open one but those whose member left
-  /// and anonymous clients past their handshake (what a stopping server waits for: tcp_store.hpp).
+  /// and anonymous clients past their handshake (what a stopping server waits for: tcp_store_server.hpp).
   /// A connection in its handshake counts: it may be a rank about to become a member.
   std::size_t num_awaited() const noexcept {
     return static_cast<std::size_t>(std::count_if(conns_.begin(), conns_.end(), [](const auto& kv) {
