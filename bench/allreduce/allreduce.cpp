@@ -3,12 +3,21 @@
 // busbw = algbw * 2(p-1)/p). Forks --np ranks itself; rendezvous through a file_store.
 //
 //   ddp_bench_allreduce --np 2 --transport shm|tcp|auto --buffer user|group [--out-of-place]
-//                       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--check] [--csv]
+//                       [--bind cpus|none] [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N]
+//                       [--check] [--csv]
 //
 // --buffer group: the buffer comes from group.allocate<float>() (shared memory on one host:
 // zero copy); user: an ordinary std::vector. Buffers are pre-touched. The time of a size is the
 // slowest rank's mean over the iterations. --check verifies one all-reduce per size against
 // p (p + 1) / 2. Progress goes to stderr, the table to stdout (rank 0).
+//
+// --bind cpus (the default): rank r runs on the r-th CPU this program may use, as Intel MPI and
+// Open MPI place their ranks by default; when there are more ranks than CPUs nothing is bound.
+// Unbound, both ranks of a 2-rank run start on the CPU they were forked on, and until the
+// kernel moves one, each one's wait takes that CPU from the peer it waits for: a size whose
+// timed calls fall in those first milliseconds measures several times its steady time
+// (bench/results/rank_placement.md).
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,7 +42,20 @@ struct options {
   bool group_buffer = false;
   bool in_place = true;
   bool check = false;
+  bool bind = true;
 };
+
+// The CPUs this process may use, in order.
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
 
 template <class Buffer>
 int sweep(ddp::process_group<ddp::ring_backend>& g, Buffer& data, std::vector<float>& in, const options& o) {
@@ -96,7 +118,7 @@ int run_rank(int rank, const options& o, const std::string& path) {
 }
 
 [[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr, "%s\nusage: ddp_bench_allreduce [--np N] [--transport shm|tcp|auto] [--buffer user|group] [--out-of-place]\n"
+  std::fprintf(stderr, "%s\nusage: ddp_bench_allreduce [--np N] [--transport shm|tcp|auto] [--buffer user|group] [--out-of-place] [--bind cpus|none]\n"
                        "       [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] [--check] [--csv] [--system NAME]\n", why);
   std::exit(2);
 }
@@ -127,6 +149,11 @@ int main(int argc, char** argv) {
     } else if (a == "--out-of-place") o.in_place = false;
     else if (a == "--in-place") o.in_place = true;
     else if (a == "--check") o.check = true;
+    else if (a == "--bind") {
+      const std::string& b = value();
+      if (b != "cpus" && b != "none") usage(("--bind " + b + ": expected cpus or none").c_str());
+      o.bind = b == "cpus";
+    }
     else usage(("unknown flag " + a).c_str());
   }
   if (o.np < 1 || o.np > 64) usage("--np must be 1..64");
@@ -134,11 +161,20 @@ int main(int argc, char** argv) {
 
   const std::string path = "/tmp/ddp_bench_allreduce_" + std::to_string(::getpid()) + ".store";
   std::remove(path.c_str());
+  const std::vector<int> cpus = allowed_cpus();
+  const bool bind = o.bind && static_cast<int>(cpus.size()) >= o.np;
+  if (o.bind && !bind) std::fprintf(stderr, "ddp_bench_allreduce: %d ranks on %zu CPUs: ranks not bound\n", o.np, cpus.size());
   std::vector<pid_t> pids;
   for (int r = 0; r < o.np; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0) usage("fork failed");
     if (pid == 0) {
+      if (bind) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[static_cast<std::size_t>(r)], &one);
+        if (::sched_setaffinity(0, sizeof one, &one) != 0) std::perror("ddp_bench_allreduce: sched_setaffinity");
+      }
       int code = 1;
       try {
         code = run_rank(r, o, path) == 0 ? 0 : 3;
