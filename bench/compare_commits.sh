@@ -33,7 +33,16 @@ for side in old new; do
   cmake -S "$src" -B "$work/build-$side" -DCMAKE_BUILD_TYPE=Release -DDDP_BUILD_TESTS=OFF -DDDP_BUILD_EXAMPLES=OFF \
         -DDDP_ENABLE_CUDA=OFF >/dev/null
   cmake --build "$work/build-$side" -j2 --target ddp_bench_allreduce >/dev/null
+  if grep -q -- '"--bind"' "$src/bench/allreduce/allreduce.cpp"; then declare "binds_$side=1"; fi
 done
+# Both sides place their ranks alike: bound to CPUs (the benchmark's default), or both unbound
+# when one side's benchmark predates --bind.
+placement_old=() placement_new=()
+if [ -z "${binds_old:-}" ] || [ -z "${binds_new:-}" ]; then
+  [ -n "${binds_old:-}" ] && placement_old=(--bind none)
+  [ -n "${binds_new:-}" ] && placement_new=(--bind none)
+  echo "compare: one side's benchmark cannot bind its ranks: both run unbound" >&2
+fi
 
 raw=$work/raw.csv
 : > "$raw"
@@ -44,7 +53,8 @@ for rep in $(seq 1 "$reps"); do
     # sizes whose code both sides share read new/old 0.75-0.9, a bias on every ratio.
     sides="old new"; [ $((rep % 2)) = 0 ] && sides="new old"
     for side in $sides; do
-      timeout 300 ${RUNNER:-} "$work/build-$side/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport "$transport" --buffer "$buffer" \
+      side_placement=("${placement_old[@]}"); [ $side = new ] && side_placement=("${placement_new[@]}")
+      timeout 300 ${RUNNER:-} "$work/build-$side/bench/allreduce/ddp_bench_allreduce" --np "$np" --transport "$transport" --buffer "$buffer" "${side_placement[@]}" \
           --min-bytes "$min_bytes" --max-bytes "$max_bytes" --csv 2>/dev/null | tail -n +2 | sed "s/^/$side,/" >> "$raw"
     done
   done
