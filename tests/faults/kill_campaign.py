@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The kill campaign: random SIGKILLs at random moments of 4-rank jobs, and what follows them.
 
-Each trial starts one job of fault_worker (4 ranks, over shm or tcp; under ddprun, or with the
-ranks started by hand: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a fresh free MASTER_PORT, ...),
+Each trial starts one job of fault_worker (4 ranks, over shm or tcp; under ddprun, with the
+ranks started by hand: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a fresh free MASTER_PORT, ...,
+or, with --modes mpirun, under Open MPI's mpirun, the ranks reading its variables and deriving
+the store's port from the job's identity),
 waits for a phase marker of the process it has picked (rendezvous, allocate, step, shutdown),
 waits a random delay and SIGKILLs the victim: one rank (rank 0 included) or ddprun itself. Then
 it checks:
@@ -13,6 +15,9 @@ it checks:
   - under ddprun, its first line that names a rank names the victim's death by signal 9 (the
     root cause), and its output carries every survivor's last error line a second time (the
     summary; the first copy is the rank's own output passing through);
+  - under mpirun, its output names the victim's death by signal 9; mpirun ends the survivors
+    itself, so a survivor may end without an error line, but one that prints one must name the
+    victim;
   - afterwards no process of the trial is left (every descendant is reaped: the campaign is a
     child subreaper, so orphans come back to it; and /proc is searched for the trial's
     DDP_JOB_ID), no new /dev/shm entry "ddp-*" carries the trial's tag (its store prefix and job
@@ -24,6 +29,8 @@ KNOWN_GAPS below); CI passes unreached_store, never leaks or wrong results.
 
   kill_campaign.py --worker build/default/tests/faults/fault_worker \\
                    --ddprun build/default/tools/ddprun/ddprun --trials 200
+  kill_campaign.py --worker ... --modes mpirun --mpirun mpirun \\
+                   --mpirun-flags "--oversubscribe --bind-to none" --trials 40
 
 The goal is that the job ends within 1 s of a kill; CI machines are shared and slow, so the pass
 bound (--end-bound) is 3 s by default, and the table gives the measured worst and the
@@ -57,7 +64,7 @@ CATEGORIES = (
     ("no_error", "a survivor failed without an error line"),
     ("wrong_result", "a wrong all_reduce result"),
     ("slow_end", "job ended later than the bound"),
-    ("summary_cause", "ddprun's first line is not the root cause"),
+    ("summary_cause", "the launcher's report lacks the root cause"),
     ("summary_errors", "ddprun's summary lacks a rank's last error"),
     ("leaked_process", "a process of the job remained"),
     ("leaked_shm", "a /dev/shm entry of the job remained"),
@@ -191,9 +198,10 @@ class Job:
         self.lines = []          # (time, stream name, line)
         self.streams = {}        # fd -> [name, partial bytes]
         self.exits = {}          # pid -> (time, status)
-        self.launcher = None     # ddprun's pid
+        self.launcher = None     # ddprun's or mpirun's pid
         self.started = []        # pids we spawned
         self.workers = {}        # rank -> pid, from the markers
+        self.ranks_gone = {}     # rank -> time its process was seen gone (mode mpirun: not our children)
 
     def env(self):
         env = dict(os.environ)
@@ -233,6 +241,9 @@ class Job:
         if self.trial["mode"] == "ddprun":
             argv = [self.args.ddprun, "--standalone", "--nproc-per-node", str(WORLD)] + self.worker_argv()
             self.launcher = self.spawn(argv, self.env(), "ddprun")
+        elif self.trial["mode"] == "mpirun":
+            argv = [self.args.mpirun] + self.args.mpirun_flags.split() + ["-n", str(WORLD)] + self.worker_argv()
+            self.launcher = self.spawn(argv, self.env(), "mpirun")
         else:
             port = free_port()
             for rank in range(WORLD):
@@ -359,6 +370,13 @@ def run_trial(args, trial):
         wake = now + 0.1
         if kill_time is None and kill_at is not None:
             wake = min(wake, kill_at)
+        if trial["mode"] == "mpirun" and kill_time is not None:
+            # The ranks are mpirun's children: watch them go, since mpirun itself lingers.
+            for rank, pid in job.workers.items():
+                if rank not in job.ranks_gone and (not os.path.exists("/proc/%d" % pid) or is_zombie(pid)):
+                    job.ranks_gone[rank] = now
+            if len(job.ranks_gone) < len(job.workers):
+                wake = min(wake, now + 0.005)
         job.pump(wake - now)
     job.close()
     return evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before)
@@ -391,6 +409,10 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                 r["fail"].add("wrong_result")
                 r["notes"].append(text)
     last_exit = max((t for t, _ in job.exits.values()), default=time.monotonic())
+    if trial["mode"] == "mpirun" and job.ranks_gone and kill_time is not None and kill_time > 0:
+        # The job's end is its last rank's: mpirun lingers on after its ranks are gone.
+        r["notes"].append("mpirun exited %.0f ms after the kill" % ((last_exit - kill_time) * 1000))
+        last_exit = max(job.ranks_gone.values())
     if kill_time is None:
         r["fail"].add("not_started")
         r["notes"].append("no marker '%s' from %s before the job ended" % (trial["phase"], "rank %d" % trial["watch"]))
@@ -427,6 +449,8 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                         r["notes"].append("rank %d names rank %d, not %d: %s" % (rank, named, victim, what))
                         if "(hosted by rank 0) closed the connection" in what:
                             r["store_host_race"] = True
+                elif not finished and trial["mode"] == "mpirun":
+                    r["notes"].append("rank %d ended without an error line: mpirun ended it" % rank)
                 elif not finished:
                     r["fail"].add("no_error")
                     if pid is None:
@@ -434,12 +458,14 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                     elif pid in job.exits:
                         status = describe_status(job.exits[pid][1])
                     else:
-                        status = "its status went to ddprun"
+                        status = "its status went to the launcher"
                     r["notes"].append("rank %d ended (%s) without an error line" % (rank, status))
                     if pid in job.exits:
                         detect.append(job.exits[pid][0] - kill_time)
             if trial["mode"] == "ddprun":
                 check_summary(trial, job, errors, victim, r)
+            elif trial["mode"] == "mpirun":
+                check_mpirun_report(job, errors, victim, r)
         r["detect"] = max(detect) if detect else r["end"]
     # What is left behind.
     left = trial.get("left", []) + pids_with_job(job.tag) + [p for p in job.started if p not in job.exits and not is_zombie(p)]
@@ -484,6 +510,27 @@ def check_summary(trial, job, errors, victim, r):
             break
 
 
+MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal 9\b")
+MPIRUN_FIRST_EXIT = re.compile(r"The first process to do so was:\s+Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+\d+")
+
+
+def check_mpirun_report(job, errors, victim, r):
+    """mpirun's own report of the job's end leads to the root cause: it names the victim's death
+    by SIGKILL, or, when a survivor's non-zero exit reached mpirun first, a survivor whose own
+    error line names the victim."""
+    text = " ".join(t for _, stream, t in job.lines if stream.startswith("mpirun."))
+    deaths = [int(m.group(1)) for m in MPIRUN_DEATH.finditer(text)]
+    first_exits = [int(m.group(1)) for m in MPIRUN_FIRST_EXIT.finditer(text)]
+    leads = [rank for rank in first_exits if rank in errors and first_named_rank(errors[rank][2]) == victim]
+    if leads:
+        r["notes"].append("mpirun names rank %d's exit first, whose error names rank %d" % (leads[0], victim))
+    elif victim not in deaths:
+        r["fail"].add("summary_cause")
+        r["notes"].append("mpirun's report names the deaths of ranks %s, not rank %d" % (deaths, victim))
+        own = [t for _, stream, t in job.lines if stream.startswith("mpirun.") and not t.startswith(("fault_worker", "ddp:"))]
+        r["notes"].extend("  mpirun: " + t for t in own[-8:] if t.strip())
+
+
 def describe_status(status):
     if isinstance(status, int):
         return "signal %d" % -status if status < 0 else "exit %d" % status
@@ -492,7 +539,7 @@ def describe_status(status):
 
 def plan(args):
     rng = random.Random(args.seed)
-    combos = [(m, t, p) for m in ("ddprun", "hand") for t in ("shm", "tcp") for p in PHASES]
+    combos = [(m, t, p) for m in args.modes.split(",") for t in ("shm", "tcp") for p in PHASES]
     only = args.only.split(":") if args.only else []
     if only:
         combos = [c for c in combos if all(want == got for want, got in zip(only[:3], c))]
@@ -529,7 +576,10 @@ def percentile(values, q):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", required=True, help="the fault_worker program")
-    ap.add_argument("--ddprun", required=True, help="the ddprun program")
+    ap.add_argument("--ddprun", default="", help="the ddprun program (modes ddprun and hand)")
+    ap.add_argument("--modes", default="ddprun,hand", help="how jobs start: ddprun, hand, mpirun (comma-separated)")
+    ap.add_argument("--mpirun", default="", help="Open MPI's mpirun (mode mpirun)")
+    ap.add_argument("--mpirun-flags", default="", help="mpirun's options before -n, as one string")
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     ap.add_argument("--end-bound", type=float, default=3.0,
@@ -549,9 +599,14 @@ def main():
             sys.exit("kill_campaign: unknown gap '%s' (known: %s)" % (g, ", ".join(sorted(KNOWN_GAPS))))
     if args.seed is None:
         args.seed = int(time.time()) % 100000
-    for exe in (args.worker, args.ddprun):
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in ("ddprun", "hand", "mpirun"):
+            sys.exit("kill_campaign: unknown mode '%s' (expected ddprun, hand, mpirun)" % m)
+    exes = [args.worker] + ([args.ddprun] if "ddprun" in modes else []) + ([args.mpirun] if "mpirun" in modes else [])
+    for exe in exes:
         if not os.access(exe, os.X_OK):
-            sys.exit("kill_campaign: %s is not an executable" % exe)
+            sys.exit("kill_campaign: %r is not an executable (see --ddprun, --mpirun)" % exe)
     set_child_subreaper()
     watch_children()
     print("kill campaign: %d trials, seed %d, 4 ranks, DDP_TIMEOUT=%g, pass bound %g s (goal %g s)"
