@@ -385,8 +385,9 @@ class ring_backend {
       } catch (...) {
         // Peers that finished their set-up already wait in a collective on the communicators:
         // they must learn of this failure now, and of its cause (a dead peer, often the store's
-        // host) rather than of this rank's exit.
-        s_->abort_noticing_all();
+        // host) rather than of this rank's exit. The grace: that peer's sockets close before
+        // its exit shows, so this rank can fail on them first.
+        s_->abort_noticing_all(std::chrono::milliseconds(200));
         throw;
       }
     }
@@ -418,10 +419,10 @@ class ring_backend {
       if (tcp) tcp->abort();
       if (hier) hier->abort();
     }
-    void abort_noticing_all() noexcept {
-      if (shm) shm->abort_noticing();
+    void abort_noticing_all(std::chrono::milliseconds grace) noexcept {
+      if (shm) shm->abort_noticing(grace);
       if (tcp) tcp->abort();
-      if (hier) hier->abort_noticing();
+      if (hier) hier->abort_noticing(grace);
     }
   };
 

@@ -27,6 +27,7 @@
 // Not thread-safe: one collective at a time; abort() may be called from any thread.
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -201,9 +202,9 @@ class hierarchical_communicator {
     if (leaders_) leaders_->abort();
   }
   /// abort(), this host's shared memory naming a peer this rank sees dead (shm_communicator).
-  void abort_noticing() noexcept {
+  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0)) noexcept {
     flat_->abort();
-    if (local_) local_->abort_noticing();
+    if (local_) local_->abort_noticing(grace);
     if (leaders_) leaders_->abort();
   }
 

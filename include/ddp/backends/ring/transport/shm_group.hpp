@@ -235,9 +235,12 @@ class shm_group {
   }
 
   /// abort(), naming a dead peer if this rank sees one: called when a wait on this rank failed.
-  void abort_noticing() noexcept {
+  /// With a grace, waits up to that long for a peer's exit to show: a failure elsewhere (a
+  /// store connection reset by its dying host) can come before the kernel marks that host
+  /// exited, since a dying process closes its sockets before it becomes a zombie.
+  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0)) noexcept {
     if (job_ == nullptr) return;
-    const auto dead = watch_.first_dead();
+    const auto dead = watch_.first_dead_within(grace);
     abort(dead ? dead->rank : -1, dead ? dead->pid : 0);
   }
 

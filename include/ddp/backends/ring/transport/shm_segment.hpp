@@ -332,9 +332,14 @@ class peer_watch {
   std::optional<dead_peer> first_dead() const noexcept {
     return first_dead([](int) { return true; });
   }
-  /// The first watched peer r with relevant(r) that has exited, if any (never blocks).
+  /// The first watched peer that has exited, waiting up to `grace` for one to.
+  std::optional<dead_peer> first_dead_within(std::chrono::milliseconds grace) const noexcept {
+    return first_dead([](int) { return true; }, static_cast<int>(grace.count()));
+  }
+  /// The first watched peer r with relevant(r) that has exited, if any (never blocks; with
+  /// wait_ms, waits up to that long for one).
   template <class Relevant>
-  std::optional<dead_peer> first_dead(Relevant&& relevant) const noexcept {
+  std::optional<dead_peer> first_dead(Relevant&& relevant, int wait_ms = 0) const noexcept {
     if (peers_.empty()) return std::nullopt;
     std::vector<pollfd> fds;
     std::vector<const peer*> polled;
@@ -346,7 +351,7 @@ class peer_watch {
       fds.push_back({p.fd, POLLIN, 0});
       polled.push_back(&p);
     }
-    if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) return std::nullopt;
+    if (fds.empty() || ::poll(fds.data(), fds.size(), wait_ms) <= 0) return std::nullopt;
     for (std::size_t i = 0; i < fds.size(); ++i)
       if (fds[i].revents != 0) return dead_peer{polled[i]->rank, polled[i]->pid};
     return std::nullopt;
