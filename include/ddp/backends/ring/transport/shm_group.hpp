@@ -75,7 +75,10 @@ class shm_group {
     if (size < 1 || rank < 0 || rank >= size) {
       throw error(errc::invalid_argument, "shm group: rank " + std::to_string(rank) + " of size " + std::to_string(size) + " is out of range");
     }
-    oversubscribed_ = size > usable_cpus();
+    // The CPUs of every rank of the group together (topology.hpp): one CPU each is no
+    // oversubscription.
+    const int cpus = topology != nullptr ? topology->cpus_of_this_host() : 0;
+    oversubscribed_ = size > (cpus > 0 ? cpus : usable_cpus());
     try {
       set_up(st, prefix, tag, rank, size, dl, reserved_payload, topology);
     } catch (const error& e) {

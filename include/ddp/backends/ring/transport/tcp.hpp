@@ -24,7 +24,8 @@
 // interrupt into a halted vCPU too), several times what a small message takes over loopback. The budget adapts: a spin that ends without
 // data halves it (down to 0, then one full spin every 64 waits to look again), one that catches
 // data restores it, so a rank on a loaded host soon stops taking CPU from the ranks it waits
-// for. Spinning is off when this host runs more of the group's ranks than the process may use CPUs.
+// for. Spinning is off when this host runs more of the group's ranks than they may use CPUs
+// together (rank_topology::cpus_of_this_host).
 //
 // abort() shuts every socket down and wakes pollers through an eventfd, from any thread.
 // One thread at a time may move data; abort() and the counters may be used from any thread.
@@ -240,7 +241,7 @@ inline std::chrono::microseconds wanted_spin(const std::optional<std::chrono::mi
 }
 
 /// The busy-poll budget of a rank: `wanted` unless this host runs more of the group's ranks
-/// than the process may use CPUs (a spinning rank would then hold the core its peer needs).
+/// than they may use CPUs together (a spinning rank would then hold the core its peer needs).
 inline std::chrono::microseconds spin_budget(std::chrono::microseconds wanted, int ranks_on_host, int cpus) noexcept {
   if (wanted <= std::chrono::microseconds::zero() || ranks_on_host > cpus) return std::chrono::microseconds::zero();
   return wanted;
@@ -492,14 +493,13 @@ class tcp_transport {
     return {};
   }
 
-  /// How many of the group's ranks run on this host (this one included), from the host
-  /// identities every rank publishes (as `me`) before it listens or connects.
-  /// The ranks sharing this host, from the topology this transport published (see connect_mesh).
-  int ranks_on_this_host(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
+  /// Where the group's ranks run, from the topology every rank of a transport built on its own
+  /// publishes before it listens or connects (see connect_mesh).
+  rank_topology published_topology(ddp::store::store& store, const std::string& prefix, const tcp_options& opts) {
     std::vector<std::string> keys;
     for (int r = 0; r < s_->size; ++r) keys.push_back(prefix + "/topology/" + std::to_string(r));
     wait_for_ranks(store, keys, opts.timeout, "publish their host identity");
-    return rank_topology::read(store, prefix + "/topology/", s_->rank, s_->size).ranks_on_this_host();
+    return rank_topology::read(store, prefix + "/topology/", s_->rank, s_->size);
   }
 
   /// The listen address when none is given: loopback when every rank runs on this host.
@@ -593,10 +593,17 @@ class tcp_transport {
     // may spin. With an address given, the count waits until the mesh is built, so a rank
     // listens before the others arrive; by then every rank has published (before connecting).
     int ranks_on_host = topology != nullptr ? topology->ranks_on_this_host() : 0;
+    int host_cpus = topology != nullptr ? topology->cpus_of_this_host() : 0;
     if (topology == nullptr) rank_topology::publish(store, prefix + "/topology/", rank);
+    const auto learn_this_host = [&] {
+      if (ranks_on_host != 0) return;
+      const rank_topology published = published_topology(store, prefix, opts);
+      ranks_on_host = published.ranks_on_this_host();
+      host_cpus = published.cpus_of_this_host();
+    };
     std::string host = given_listen_address(opts);
     if (host.empty()) {
-      if (ranks_on_host == 0) ranks_on_host = ranks_on_this_host(store, prefix, opts);
+      learn_this_host();
       host = choose_listen_address(ranks_on_host);
     }
     detail::tcp::unique_fd listener = detail::tcp::listen_ephemeral(host, size + 64);
@@ -737,8 +744,8 @@ class tcp_transport {
         }
       }
     }
-    if (ranks_on_host == 0) ranks_on_host = ranks_on_this_host(store, prefix, opts);
-    s_->spin = detail::tcp::spin_policy(detail::tcp::spin_budget(spin, ranks_on_host, detail::shm::usable_cpus()));
+    learn_this_host();
+    s_->spin = detail::tcp::spin_policy(detail::tcp::spin_budget(spin, ranks_on_host, host_cpus > 0 ? host_cpus : detail::shm::usable_cpus()));
     // The listener and any stranger still waiting are closed here.
   }
 

@@ -1,10 +1,15 @@
 #pragma once
-// ddp::rank_topology: where every rank of a group runs (host identity, process id), exchanged
+// ddp::rank_topology: where every rank of a group runs (host identity, process id, the CPUs it
+// may run on), exchanged
 // once through the store when the ring backend is set up and handed to every layer that needs
 // it: the choice of shared memory, tcp or a hierarchy, the tcp mesh's listen address and spin
-// policy, the shared-memory group's one-host check, the heartbeat's pidfd watch. A transport
+// policy, the shared-memory group's one-host check and wait policy, the heartbeat's pidfd watch.
+// The CPUs: a launcher that binds each rank to its own CPU (srun --cpu-bind, mpirun --bind-to
+// core, Intel MPI's pinning) leaves each process one CPU, yet the ranks of a host do not share
+// one: whether they outnumber their CPUs is a question about all of them together. A transport
 // built on its own (without a backend) exchanges one itself, the same way.
 
+#include <sched.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -27,6 +32,7 @@ struct rank_place {
   std::string layout_identity;  // the host it counts as when ranks are grouped by host (a testing hook may pose; else identity)
   long long pid = 0;
   std::string note;  // what the exchanging layer adds (the ring backend: its hierarchy choice)
+  std::string cpus;  // the CPUs the process may run on, e.g. "0-3,8" (sched_getaffinity); empty: unknown
 
   /// The host name, for messages.
   std::string hostname() const { return identity.substr(0, identity.find(' ')); }
@@ -49,6 +55,56 @@ class rank_topology {
     int n = 0;
     for (const auto& p : places_) n += p.identity == mine().identity ? 1 : 0;
     return n;
+  }
+  /// How many CPUs the ranks on this host may run on together (the union of their CPU sets);
+  /// 0 when a rank's set is unknown.
+  int cpus_of_this_host() const {
+    std::vector<bool> any;
+    for (const auto& p : places_) {
+      if (p.identity != mine().identity) continue;
+      if (!add_cpu_list(p.cpus, any)) return 0;
+    }
+    int n = 0;
+    for (const bool b : any) n += b ? 1 : 0;
+    return n;
+  }
+
+  /// This process's CPUs as a list of ranges ("0-3,8"); empty when they cannot be read.
+  static std::string cpu_list_of_this_process() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof set, &set) != 0) return {};
+    std::string out;
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (!CPU_ISSET(c, &set)) continue;
+      int last = c;
+      while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+      out += (out.empty() ? "" : ",") + std::to_string(c) + (last > c ? "-" + std::to_string(last) : std::string());
+      c = last;
+    }
+    return out;
+  }
+  /// Marks the CPUs of a list of ranges in `cpus`; false for an empty or malformed list.
+  static bool add_cpu_list(const std::string& list, std::vector<bool>& cpus) {
+    if (list.empty()) return false;
+    std::size_t at = 0;
+    while (at < list.size()) {
+      char* end = nullptr;
+      const long first = std::strtol(list.c_str() + at, &end, 10);
+      long last = first;
+      if (end == list.c_str() + at || first < 0 || first >= CPU_SETSIZE) return false;
+      if (*end == '-') {
+        const char* from = end + 1;
+        last = std::strtol(from, &end, 10);
+        if (end == from || last < first || last >= CPU_SETSIZE) return false;
+      }
+      if (*end != ',' && *end != '\0') return false;
+      if (cpus.size() <= static_cast<std::size_t>(last)) cpus.resize(static_cast<std::size_t>(last) + 1, false);
+      for (long c = first; c <= last; ++c) cpus[static_cast<std::size_t>(c)] = true;
+      at = static_cast<std::size_t>(end - list.c_str()) + (*end == ',' ? 1 : 0);
+      if (*end == '\0') break;
+    }
+    return true;
   }
 
   /// The topology of a sub-group: `members` are ranks of this one, in the sub-group's order;
@@ -75,7 +131,8 @@ class rank_topology {
   static void publish(store::store& st, const std::string& key_prefix, int rank, const std::string& note = {},
                       const std::string& layout_identity = {}) {
     const rank_place me = here(note, layout_identity);
-    st.set_string(key_prefix + std::to_string(rank), std::to_string(me.pid) + "\n" + me.identity + "\n" + me.layout_identity + "\n" + me.note);
+    st.set_string(key_prefix + std::to_string(rank),
+                  std::to_string(me.pid) + "\n" + me.identity + "\n" + me.layout_identity + "\n" + me.note + "\n" + me.cpus);
   }
   /// Every rank's place, once all have published.
   static rank_topology read(store::store& st, const std::string& key_prefix, int rank, int size) {
@@ -90,7 +147,11 @@ class rank_topology {
 
  private:
   static rank_place here(const std::string& note, const std::string& layout_identity) {
-    rank_place me{.identity = host_identity(), .layout_identity = {}, .pid = static_cast<long long>(::getpid()), .note = note};
+    rank_place me{.identity = host_identity(),
+                  .layout_identity = {},
+                  .pid = static_cast<long long>(::getpid()),
+                  .note = note,
+                  .cpus = cpu_list_of_this_process()};
     me.layout_identity = layout_identity.empty() ? me.identity : layout_identity;
     return me;
   }
@@ -114,6 +175,7 @@ class rank_topology {
     p.layout_identity = field();
     const bool complete = at <= value.size();
     p.note = complete ? field() : std::string();
+    p.cpus = at <= value.size() ? field() : std::string();
     char* end = nullptr;
     p.pid = std::strtoll(pid.c_str(), &end, 10);
     if (!complete || pid.empty() || *end != '\0' || p.identity.empty()) {
