@@ -4,7 +4,8 @@
 Each trial starts one job of fault_worker (4 ranks, over shm or tcp; under ddprun, with the
 ranks started by hand: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a fresh free MASTER_PORT, ...,
 or, with --modes mpirun, under Open MPI's mpirun, the ranks reading its variables and deriving
-the store's port from the job's identity),
+the store's port from the job's identity; with --modes torchrun, under PyTorch's torchrun
+--standalone, the ranks joining the store its agent serves),
 waits for a phase marker of the process it has picked (rendezvous, allocate, step, shutdown),
 waits a random delay and SIGKILLs the victim: one rank (rank 0 included) or ddprun itself. Then
 it checks:
@@ -15,9 +16,10 @@ it checks:
   - under ddprun, its first line that names a rank names the victim's death by signal 9 (the
     root cause), and its output carries every survivor's last error line a second time (the
     summary; the first copy is the rank's own output passing through);
-  - under mpirun, its output names the victim's death by signal 9; mpirun ends the survivors
-    itself, so a survivor may end without an error line, but one that prints one must name the
-    victim;
+  - under mpirun or torchrun, the launcher's report names the victim's death by signal 9 (or,
+    when a survivor's failure reached it first, that survivor, whose own error names the victim);
+    the launcher ends the survivors itself, so a survivor may end without an error line, but one
+    that prints one must name the victim;
   - afterwards no process of the trial is left (every descendant is reaped: the campaign is a
     child subreaper, so orphans come back to it; and /proc is searched for the trial's
     DDP_JOB_ID), no new /dev/shm entry "ddp-*" carries the trial's tag (its store prefix and job
@@ -54,6 +56,7 @@ import sys
 import time
 
 WORLD = 4
+FOREIGN_LAUNCHERS = ("mpirun", "torchrun")  # launchers whose ranks are their children, not ours
 PHASES = ("rendezvous", "allocate", "step", "shutdown")
 GOAL_S = 1.0  # the issue's goal for the end of a job after a kill
 
@@ -244,6 +247,10 @@ class Job:
         elif self.trial["mode"] == "mpirun":
             argv = [self.args.mpirun] + self.args.mpirun_flags.split() + ["-n", str(WORLD)] + self.worker_argv()
             self.launcher = self.spawn(argv, self.env(), "mpirun")
+        elif self.trial["mode"] == "torchrun":
+            argv = [self.args.torchrun, "--standalone", "--nproc-per-node", str(WORLD), "--monitor-interval", "0.1",
+                    "--no-python"] + self.worker_argv()
+            self.launcher = self.spawn(argv, self.env(), "torchrun")
         else:
             port = free_port()
             for rank in range(WORLD):
@@ -370,8 +377,8 @@ def run_trial(args, trial):
         wake = now + 0.1
         if kill_time is None and kill_at is not None:
             wake = min(wake, kill_at)
-        if trial["mode"] == "mpirun" and kill_time is not None:
-            # The ranks are mpirun's children: watch them go, since mpirun itself lingers.
+        if trial["mode"] in FOREIGN_LAUNCHERS and kill_time is not None:
+            # The ranks are the launcher's children: watch them go, since it lingers after them.
             for rank, pid in job.workers.items():
                 if rank not in job.ranks_gone and (not os.path.exists("/proc/%d" % pid) or is_zombie(pid)):
                     job.ranks_gone[rank] = now
@@ -409,9 +416,9 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                 r["fail"].add("wrong_result")
                 r["notes"].append(text)
     last_exit = max((t for t, _ in job.exits.values()), default=time.monotonic())
-    if trial["mode"] == "mpirun" and job.ranks_gone and kill_time is not None and kill_time > 0:
-        # The job's end is its last rank's: mpirun lingers on after its ranks are gone.
-        r["notes"].append("mpirun exited %.0f ms after the kill" % ((last_exit - kill_time) * 1000))
+    if trial["mode"] in FOREIGN_LAUNCHERS and job.ranks_gone and kill_time is not None and kill_time > 0:
+        # The job's end is its last rank's: the launcher lingers on after its ranks are gone.
+        r["notes"].append("%s exited %.0f ms after the kill" % (trial["mode"], (last_exit - kill_time) * 1000))
         last_exit = max(job.ranks_gone.values())
     if kill_time is None:
         r["fail"].add("not_started")
@@ -449,8 +456,8 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                         r["notes"].append("rank %d names rank %d, not %d: %s" % (rank, named, victim, what))
                         if "(hosted by rank 0) closed the connection" in what:
                             r["store_host_race"] = True
-                elif not finished and trial["mode"] == "mpirun":
-                    r["notes"].append("rank %d ended without an error line: mpirun ended it" % rank)
+                elif not finished and trial["mode"] in FOREIGN_LAUNCHERS:
+                    r["notes"].append("rank %d ended without an error line: %s ended it" % (rank, trial["mode"]))
                 elif not finished:
                     r["fail"].add("no_error")
                     if pid is None:
@@ -466,6 +473,8 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                 check_summary(trial, job, errors, victim, r)
             elif trial["mode"] == "mpirun":
                 check_mpirun_report(job, errors, victim, r)
+            elif trial["mode"] == "torchrun":
+                check_torchrun_report(job, errors, victim, r)
         r["detect"] = max(detect) if detect else r["end"]
     # What is left behind.
     left = trial.get("left", []) + pids_with_job(job.tag) + [p for p in job.started if p not in job.exits and not is_zombie(p)]
@@ -531,6 +540,26 @@ def check_mpirun_report(job, errors, victim, r):
         r["notes"].extend("  mpirun: " + t for t in own[-8:] if t.strip())
 
 
+TORCHRUN_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+) \(local_rank: \d+\)\s*"
+                                 r"exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def check_torchrun_report(job, errors, victim, r):
+    """torchrun's ChildFailedError names as its root cause the victim, killed by signal 9, or a
+    survivor whose own error names the victim."""
+    text = "\n".join(t for _, stream, t in job.lines if stream.startswith("torchrun."))
+    m = TORCHRUN_ROOT_CAUSE.search(text)
+    if m and int(m.group(1)) == victim and int(m.group(2)) == -signal.SIGKILL:
+        return
+    if m and int(m.group(1)) in errors and first_named_rank(errors[int(m.group(1))][2]) == victim:
+        r["notes"].append("torchrun's root cause is rank %s's failure, whose error names rank %d" % (m.group(1), victim))
+        return
+    r["fail"].add("summary_cause")
+    r["notes"].append("torchrun's root cause: %s" % ("rank %s, exit code %s" % m.groups() if m else "none found"))
+    own = [t for _, stream, t in job.lines if stream.startswith("torchrun.") and not t.startswith(("fault_worker", "ddp:"))]
+    r["notes"].extend("  torchrun: " + t for t in own[-12:] if t.strip())
+
+
 def describe_status(status):
     if isinstance(status, int):
         return "signal %d" % -status if status < 0 else "exit %d" % status
@@ -577,9 +606,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", required=True, help="the fault_worker program")
     ap.add_argument("--ddprun", default="", help="the ddprun program (modes ddprun and hand)")
-    ap.add_argument("--modes", default="ddprun,hand", help="how jobs start: ddprun, hand, mpirun (comma-separated)")
+    ap.add_argument("--modes", default="ddprun,hand", help="how jobs start: ddprun, hand, mpirun, torchrun (comma-separated)")
     ap.add_argument("--mpirun", default="", help="Open MPI's mpirun (mode mpirun)")
     ap.add_argument("--mpirun-flags", default="", help="mpirun's options before -n, as one string")
+    ap.add_argument("--torchrun", default="", help="PyTorch's torchrun (mode torchrun)")
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     ap.add_argument("--end-bound", type=float, default=3.0,
@@ -601,9 +631,10 @@ def main():
         args.seed = int(time.time()) % 100000
     modes = args.modes.split(",")
     for m in modes:
-        if m not in ("ddprun", "hand", "mpirun"):
-            sys.exit("kill_campaign: unknown mode '%s' (expected ddprun, hand, mpirun)" % m)
-    exes = [args.worker] + ([args.ddprun] if "ddprun" in modes else []) + ([args.mpirun] if "mpirun" in modes else [])
+        if m not in ("ddprun", "hand") + FOREIGN_LAUNCHERS:
+            sys.exit("kill_campaign: unknown mode '%s' (expected ddprun, hand, mpirun, torchrun)" % m)
+    exes = [args.worker] + ([args.ddprun] if "ddprun" in modes else []) + ([args.mpirun] if "mpirun" in modes else []) + \
+        ([args.torchrun] if "torchrun" in modes else [])
     for exe in exes:
         if not os.access(exe, os.X_OK):
             sys.exit("kill_campaign: %r is not an executable (see --ddprun, --mpirun)" % exe)
