@@ -888,25 +888,6 @@ TEST_CASE("tcp_store: a port held by another job's store says whose it is") {
   }
 }
 
-TEST_CASE("tcp_store: a port held by a program that is not a ddp store is named as such") {
-  // A listener that never greets, as PyTorch's TCPStore (torchrun's agent) does.
-  ds::unique_fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(::listen(listener.get(), 8) == 0);
-  socklen_t len = sizeof addr;
-  ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len);
-  try {
-    tcp_store_server server({.port = ntohs(addr.sin_port), .token = std::string(), .job = "slurm:42.0"});
-    FAIL("bound a port that is in use");
-  } catch (const ddp::error& e) {
-    CHECK(e.code() == ddp::errc::config);
-    CHECK_THAT(e.what(), Catch::Contains("by a program that is not a ddp store") && Catch::Contains("TORCHELASTIC_USE_AGENT_STORE"));
-  }
-}
-
 // A listener that never greets, as PyTorch's TCPStore (torchrun's agent) does; port() says where.
 struct silent_listener {
   ds::unique_fd fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
@@ -922,6 +903,17 @@ struct silent_listener {
     port = ntohs(addr.sin_port);
   }
 };
+
+TEST_CASE("tcp_store: a port held by a program that is not a ddp store is named as such") {
+  const silent_listener listener;
+  try {
+    tcp_store_server server({.port = listener.port, .token = std::string(), .job = "slurm:42.0"});
+    FAIL("bound a port that is in use");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::config);
+    CHECK_THAT(e.what(), Catch::Contains("by a program that is not a ddp store") && Catch::Contains("TORCHELASTIC_USE_AGENT_STORE"));
+  }
+}
 
 // A port free a moment ago (a server bound it and stopped).
 std::uint16_t recently_free_port() {
