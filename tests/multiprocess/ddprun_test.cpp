@@ -5,6 +5,7 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -430,6 +431,54 @@ TEST_CASE("ddprun --prefix-output prefixes each worker line with its rank") {
   for (const auto& line : lines(p.out_text)) CHECK(line.rfind("[rank ", 0) == 0);
 }
 
+TEST_CASE("ddprun --cpu-bind cores gives each worker its own equal share of the launcher's CPUs") {
+  require_ddprun();
+  // ddprun inherits this process's CPUs.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  REQUIRE(::sched_getaffinity(0, sizeof set, &set) == 0);
+  std::vector<std::string> mine;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) mine.push_back(std::to_string(c));
+  const auto join = [](const std::vector<std::string>& v, std::size_t from, std::size_t to) {
+    std::string s;
+    for (std::size_t i = from; i < to; ++i) s += (s.empty() ? "" : ",") + v[i];
+    return s;
+  };
+  const auto cpus_of_workers = [](const std::string& out) {
+    std::map<int, std::string> got;
+    for (const auto& line : lines(out)) {
+      const auto w = words(line);
+      if (w.size() == 4 && w[0] == "rank" && w[2] == "cpus") got[std::stoi(w[1])] = w[3];
+    }
+    return got;
+  };
+  const std::string all = join(mine, 0, mine.size());
+
+  ddp::test::child_process bound(ddprun({"--nproc-per-node=2", "--cpu-bind=cores"}, {"cpus"}));
+  CHECK(bound.wait(30s) == 0);
+  INFO("stdout:\n" << bound.out_text << "stderr:\n" << bound.err_text);
+  auto got = cpus_of_workers(bound.out_text);
+  REQUIRE(got.size() == 2);
+  if (mine.size() >= 2) {
+    // Two contiguous halves, the first one CPU larger when the count is odd.
+    const std::size_t first = (mine.size() + 1) / 2;
+    CHECK(got[0] == join(mine, 0, first));
+    CHECK(got[1] == join(mine, first, mine.size()));
+  } else {
+    CHECK(got[0] == all);
+    CHECK(got[1] == all);
+    CHECK_THAT(bound.err_text, Catch::Contains("--cpu-bind cores: 2 workers on 1 CPUs: no worker is bound"));
+  }
+
+  ddp::test::child_process unbound(ddprun({"--nproc-per-node=2"}, {"cpus"}));  // the default: none
+  CHECK(unbound.wait(30s) == 0);
+  got = cpus_of_workers(unbound.out_text);
+  REQUIRE(got.size() == 2);
+  CHECK(got[0] == all);
+  CHECK(got[1] == all);
+}
+
 TEST_CASE("ddprun --max-restarts restarts the group, and torchrun-only flags are accepted") {
   require_ddprun();
   ddp::test::child_process p(
@@ -502,6 +551,7 @@ TEST_CASE("parse_launcher_args rejects bad flags with one line naming the flag")
       {{"--node-rank=-1", "p"}, "--node-rank='-1' is not a non-negative integer"},
       {{"--standalone=yes", "p"}, "option '--standalone' takes no value"},
       {{"--grace-period=soon", "p"}, "--grace-period='soon'"},
+      {{"--cpu-bind=sockets", "p"}, "--cpu-bind='sockets' is not none or cores"},
       {{"--module", "m"}, "--module runs Python modules"},
       {{"--standalone"}, "no program given"},
       {{}, "no program given"},

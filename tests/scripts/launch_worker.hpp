@@ -14,6 +14,7 @@
 //                               EOF on stdin
 //   fail-once RANK CODE         on the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank RANK exits CODE
 //   echo                        prints "hello from rank R" and an unterminated "tail R"
+//   cpus                        prints "rank R cpus C,C,..." (the CPUs it may run on)
 //   check-env                   reads the launch environment; prints the error and exits 1 if bad
 // Waiting is done with inotify, poll and pause: no sleeps.
 
@@ -22,6 +23,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/inotify.h>
 #include <sys/socket.h>
@@ -165,6 +167,16 @@ inline int worker_main(const std::vector<std::string>& args) {
     const int attempt = std::atoi(env_or("TORCHELASTIC_RESTART_COUNT", "0").c_str());
     std::printf("attempt %d rank %d\n", attempt, rank);
     return attempt == 0 && rank == std::atoi(arg(1).c_str()) ? std::atoi(arg(2).c_str()) : 0;
+  }
+  if (mode == "cpus") {  // the CPUs this worker may run on, one line
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+    std::string list;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) list += (list.empty() ? "" : ",") + std::to_string(c);
+    std::printf("rank %d cpus %s\n", rank, list.c_str());
+    return 0;
   }
   if (mode == "echo") {
     std::printf("hello from rank %d\n", rank);

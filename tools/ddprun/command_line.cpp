@@ -36,6 +36,7 @@ std::string launcher_usage(std::string_view name) {
          "  --settle-period SECONDS   after a worker fails, time the others get to end on their own (and say\n"
          "                            why) before SIGTERM; then the root cause is named first [0.5]\n"
          "  --prefix-output, --tee    prefix each output line with [rank N]\n"
+         "  --cpu-bind none|cores     cores: each worker on its own equal share of this launcher's CPUs [none]\n"
          "  --no-python               accepted for torchrun compatibility (programs always run directly)\n"
          "  --rdzv-backend, --rdzv-endpoint, --rdzv-id, --rdzv-conf, --monitor-interval, --start-method,\n"
          "  --role, --log-dir, --redirects, --local-addr\n"
@@ -144,6 +145,10 @@ launcher_command parse_launcher_args(const std::vector<std::string>& args) {
       } else {
         o.prefix_output = true;
       }
+    } else if (flag == "--cpu-bind") {
+      const std::string v = value();
+      if (v != "none" && v != "cores") bad("--cpu-bind='" + v + "' is not none or cores");
+      o.bind_cpus = v == "cores";
     } else if (flag == "--no-python") {
       no_value();
     } else if (flag == "--info") {

@@ -93,6 +93,7 @@
 #include "ddp/core/env_registry.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/launch/child_env.hpp"
+#include "ddp/launch/cpu_shares.hpp"
 #include "ddp/launch/job_identity.hpp"
 #include "ddp/launch/output.hpp"
 #include "ddp/launch/process.hpp"
@@ -165,6 +166,13 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
   std::vector<std::vector<char*>> c_envs;
   for (const auto& e : envs) c_envs.push_back(c_array(e));
 
+  std::vector<cpu_set_t> cpu_share;
+  if (options.bind_cpus) {
+    std::string why_not;
+    cpu_share = detail::cpu_shares(nproc, why_not);
+    if (cpu_share.empty()) detail::log_line(options, "--cpu-bind cores: " + why_not);
+  }
+
   const pid_t parent = ::getpid();
   result.workers.resize(static_cast<std::size_t>(nproc));
   std::vector<detail::output_pipe> outputs;
@@ -216,6 +224,7 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
       sigemptyset(&dfl.sa_mask);
       for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) ::sigaction(s, &dfl, nullptr);
       ::pthread_sigmask(SIG_SETMASK, &signals.original_mask(), nullptr);
+      if (!cpu_share.empty()) ::sched_setaffinity(0, sizeof(cpu_set_t), &cpu_share[static_cast<std::size_t>(local)]);
       const auto redirect = [](int from, int to) {
         if (from == to) ::fcntl(to, F_SETFD, 0);  // keep it open across exec
         else ::dup2(from, to);

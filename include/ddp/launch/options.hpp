@@ -25,6 +25,10 @@ struct launch_options {
   // First failure -> SIGTERM to the others, unless they all end before (see ddp/launch/job.hpp).
   std::chrono::milliseconds settle_period = std::chrono::milliseconds(500);
   bool prefix_output = false;  // "[rank N] " before each line the workers print
+  // --cpu-bind cores: local rank i runs on the i-th of nproc_per_node equal, contiguous shares of
+  // the CPUs the launcher may use (as srun --cpu-bind=cores); with more workers than CPUs, none
+  // is bound. Off by default, as under torchrun.
+  bool bind_cpus = false;
   std::string name = "ddprun";  // how the launcher's own lines start
   std::vector<std::pair<std::string, std::string>> env;  // more variables for every worker
   std::string store_token;  // empty: see "Tokens" in ddp/launch/job.hpp
