@@ -11,9 +11,15 @@
 
 namespace ddp::detail {
 
+// A named type around the C one: nvcc's front end fails on a container of cpu_set_t, an
+// anonymous struct.
+struct cpu_share {
+  cpu_set_t cpus;
+};
+
 /// One CPU set per worker, or none (and `why_not` says why) when there are more workers than
 /// CPUs or the launcher's own set cannot be read.
-inline std::vector<cpu_set_t> cpu_shares(int workers, std::string& why_not) {
+inline std::vector<cpu_share> cpu_shares(int workers, std::string& why_not) {
   cpu_set_t mine;
   CPU_ZERO(&mine);
   if (::sched_getaffinity(0, sizeof mine, &mine) != 0) {
@@ -28,12 +34,13 @@ inline std::vector<cpu_set_t> cpu_shares(int workers, std::string& why_not) {
     why_not = std::to_string(workers) + " workers on " + std::to_string(n) + " CPUs: no worker is bound";
     return {};
   }
-  std::vector<cpu_set_t> shares(static_cast<std::size_t>(workers));
+  std::vector<cpu_share> shares(static_cast<std::size_t>(workers));
   int next = 0;
   for (int w = 0; w < workers; ++w) {
-    CPU_ZERO(&shares[static_cast<std::size_t>(w)]);
+    cpu_set_t& set = shares[static_cast<std::size_t>(w)].cpus;
+    CPU_ZERO(&set);
     const int size = n / workers + (w < n % workers ? 1 : 0);
-    for (int k = 0; k < size; ++k) CPU_SET(cpus[static_cast<std::size_t>(next++)], &shares[static_cast<std::size_t>(w)]);
+    for (int k = 0; k < size; ++k) CPU_SET(cpus[static_cast<std::size_t>(next++)], &set);
   }
   return shares;
 }

@@ -166,7 +166,7 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
   std::vector<std::vector<char*>> c_envs;
   for (const auto& e : envs) c_envs.push_back(c_array(e));
 
-  std::vector<cpu_set_t> cpu_share;
+  std::vector<detail::cpu_share> cpu_share;
   if (options.bind_cpus) {
     std::string why_not;
     cpu_share = detail::cpu_shares(nproc, why_not);
@@ -224,7 +224,7 @@ DDP_COMPILED_INLINE launch_result spawn(const launch_options& options, const std
       sigemptyset(&dfl.sa_mask);
       for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) ::sigaction(s, &dfl, nullptr);
       ::pthread_sigmask(SIG_SETMASK, &signals.original_mask(), nullptr);
-      if (!cpu_share.empty()) ::sched_setaffinity(0, sizeof(cpu_set_t), &cpu_share[static_cast<std::size_t>(local)]);
+      if (!cpu_share.empty()) ::sched_setaffinity(0, sizeof(cpu_set_t), &cpu_share[static_cast<std::size_t>(local)].cpus);
       const auto redirect = [](int from, int to) {
         if (from == to) ::fcntl(to, F_SETFD, 0);  // keep it open across exec
         else ::dup2(from, to);
