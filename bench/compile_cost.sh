@@ -4,7 +4,9 @@
 # header-only and with the compiled library (DDP_COMPILED, ddp::ddp_compiled), at -O0 and -O2;
 # beside it the same program on MPI (mpicxx) and a file that includes only <vector> and <string>;
 # and the other files of a larger program, which run collectives or the DDP wrapper on a
-# ddp::group they are handed and never call init_process_group (tests/compile_cost/*_user.cpp).
+# ddp::group they are handed and never call init_process_group (tests/compile_cost/*_user.cpp),
+# also with <ddp/mpi.hpp> or <ddp/nccl.hpp> included (they register their backend in every file
+# that includes them) where MPI or the CUDA toolkit with NCCL is installed.
 # Each figure is the median of REPS compiles (default 3). Writes bench/results/compile_cost.md.
 #   bench/compile_cost.sh
 set -euo pipefail
@@ -48,6 +50,14 @@ sed 's|#include <ddp/ddp.hpp>|#include <ddp/init.hpp>|' "$work/ddp_program.cpp" 
 sed 's|#include <ddp/ddp.hpp>|#include <ddp/group.hpp>|' "$root/tests/compile_cost/group_user.cpp" >"$work/group_user_narrow.cpp"
 sed 's|#include <ddp/ddp.hpp>|#include <ddp/data_parallel.hpp>\n#include <ddp/group.hpp>|' "$root/tests/compile_cost/data_parallel_user.cpp" \
   >"$work/data_parallel_user_narrow.cpp"
+# The collectives file of a program that registers the MPI or NCCL backend.
+for backend in mpi nccl; do
+  { echo "#include <ddp/$backend.hpp>"; cat "$root/tests/compile_cost/group_user.cpp"; } >"$work/group_user_$backend.cpp"
+done
+cuda_include=""
+for dir in "${CUDA_HOME:-/usr/local/cuda}/include" /usr/include; do
+  if [ -f "$dir/nccl.h" ] && [ -f "$dir/cuda_runtime.h" ]; then cuda_include=$dir; break; fi
+done
 
 # measure NAME COMMAND...: median CPU seconds and peak MiB of REPS runs, appended as a table row.
 rows=()
@@ -80,6 +90,12 @@ for opt in -O0 -O2; do
     measure "another file: $user.cpp, header-only, $opt" "$cxx" "${inc[@]}" "$opt" -c "$root/tests/compile_cost/$user.cpp" -o "$work/e.o"
     measure "another file: $user.cpp including only what it uses, $opt" "$cxx" "${inc[@]}" "$opt" -c "$work/${user}_narrow.cpp" -o "$work/e.o"
   done
+  if command -v mpicxx >/dev/null; then
+    measure "another file: group_user.cpp with \`<ddp/mpi.hpp>\` (mpicxx), $opt" mpicxx "${inc[@]}" -DDDP_HAS_MPI "$opt" -c "$work/group_user_mpi.cpp" -o "$work/e.o"
+  fi
+  if [ -n "$cuda_include" ]; then
+    measure "another file: group_user.cpp with \`<ddp/nccl.hpp>\`, $opt" "$cxx" "${inc[@]}" -DDDP_HAS_NCCL -isystem "$cuda_include" "$opt" -c "$work/group_user_nccl.cpp" -o "$work/e.o"
+  fi
   measure "\`<string>\` + \`<vector>\` only, $opt" "$cxx" -std=c++20 "$opt" -c "$work/std_program.cpp" -o "$work/d.o"
 done
 measure "the compiled library itself (src/ddp_compiled.cpp, once), -O2" \

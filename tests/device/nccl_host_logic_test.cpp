@@ -31,12 +31,6 @@ TEST_CASE("nccl mapping: every ddp dtype has the NCCL type of the same width and
     INFO(ddp::to_string(type));
     CHECK(ddp::detail::nccl_datatype(type) == nccl);
   }
-  CHECK(ddp::detail::nccl_datatype<float>() == ncclFloat);
-  CHECK(ddp::detail::nccl_datatype<const double>() == ncclDouble);
-  CHECK(ddp::detail::nccl_datatype<ddp::float16>() == ncclHalf);
-  CHECK(ddp::detail::nccl_datatype<ddp::bfloat16>() == ncclBfloat16);
-  CHECK(ddp::detail::nccl_datatype<std::int64_t>() == ncclInt64);
-  CHECK(ddp::detail::nccl_datatype<std::uint8_t>() == ncclUint8);
 }
 
 TEST_CASE("nccl mapping: every reduction kind, avg included, is NCCL's own") {
@@ -47,6 +41,40 @@ TEST_CASE("nccl mapping: every reduction kind, avg included, is NCCL's own") {
   CHECK(ddp::detail::nccl_op(reduce_kind::max) == ncclMax);
   CHECK(ddp::detail::nccl_op(reduce_kind::prod) == ncclProd);
   CHECK(ddp::detail::nccl_op(ddp::kind_of(ddp::runtime_op{reduce_kind::avg})) == ncclAvg);
+}
+
+TEST_CASE("nccl records: each collective's NCCL arguments, by the NCCL API's definition of each call") {
+  // process_group hands every call down as one record (no per-type instantiation).
+  static_assert(ddp::detail::pg_takes_call_records<ddp::nccl_backend>);
+  using ddp::collective;
+  using ddp::dtype;
+  constexpr int world = 4;
+  const auto call = [](collective op, dtype type, std::size_t in_count, std::size_t out_count, ddp::reduce_kind reduction, int root) {
+    return ddp::collective_call{.op = op, .type = type, .reduction = reduction, .root = root, .in_count = in_count, .out_count = out_count};
+  };
+  struct expectation {
+    ddp::collective_call record;
+    std::size_t count;  // ncclAllGather: per rank; ncclReduceScatter: per rank's result; all_to_all: per peer
+  };
+  using ddp::reduce_kind;
+  const std::vector<expectation> cases = {
+      {call(collective::all_reduce, dtype::float32, 10, 10, reduce_kind::avg, -1), 10},
+      {call(collective::broadcast, dtype::int64, 7, 7, reduce_kind::sum, 2), 7},
+      {call(collective::reduce, dtype::bfloat16, 5, 5, reduce_kind::max, 3), 5},
+      {call(collective::all_gather, dtype::float16, 3, 3 * world, reduce_kind::sum, -1), 3},
+      {call(collective::reduce_scatter, dtype::float64, 6 * world, 6, reduce_kind::min, -1), 6},
+      {call(collective::all_to_all, dtype::int32, 2 * world, 2 * world, reduce_kind::sum, -1), 2},
+      {call(collective::send, dtype::uint8, 9, 0, reduce_kind::sum, 1), 9},
+      {call(collective::recv, dtype::uint8, 0, 9, reduce_kind::sum, 1), 9},
+  };
+  for (const auto& [record, count] : cases) {
+    INFO(ddp::to_string(record.op));
+    const auto a = ddp::detail::nccl_arguments_of(record, world);
+    CHECK(a.count == count);
+    CHECK(a.type == ddp::detail::nccl_datatype(record.type));
+    CHECK(a.root == record.root);
+    if (record.describe().has_reduction()) CHECK(a.op == ddp::detail::nccl_op(record.reduction));
+  }
 }
 
 TEST_CASE("nccl unique id: rank 0 makes it once, every rank reads the same bytes through the store") {

@@ -4,6 +4,9 @@
 // - dtypes map to MPI datatypes; float16/bfloat16 are reduced in float32 (converted in a
 //   scratch buffer), so every MPI implementation works without user-defined ops;
 // - ops map to MPI_SUM/PROD/MIN/MAX; avg is a sum divided once at the end;
+// - process_group hands every call down as one record (takes_call_records), whose dtype and
+//   reduction map to MPI's at run time: nothing is compiled once per element type but the
+//   float32 conversions of the half types and avg's division;
 // - every call is nonblocking MPI (MPI_Iallreduce, ...) polled with MPI_Test, so the
 //   deadline is honoured and abort() unblocks a waiter (MPI cannot cancel a collective:
 //   after a timeout or abort the communicator is unusable, as with NCCL);
@@ -37,6 +40,7 @@
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
+#include "ddp/core/function_ref.hpp"
 #include "ddp/core/reduce_op.hpp"
 
 namespace ddp {
@@ -57,14 +61,18 @@ inline void mpi_check(int code, const char* call, const error_context& context =
   throw error(errc::mpi, std::string(call) + " failed: " + mpi_error_text(code), std::move(c));
 }
 
-template <class T>
-MPI_Datatype mpi_datatype() {
-  using U = accumulate_t<T>;
-  if constexpr (std::is_same_v<U, float>) return MPI_FLOAT;
-  else if constexpr (std::is_same_v<U, double>) return MPI_DOUBLE;
-  else if constexpr (std::is_same_v<U, std::int32_t>) return MPI_INT32_T;
-  else if constexpr (std::is_same_v<U, std::int64_t>) return MPI_INT64_T;
-  else return MPI_UINT8_T;
+/// The MPI type a dtype is reduced in (float16 and bfloat16: float32, converted by the backend).
+inline MPI_Datatype mpi_datatype(dtype type) {
+  switch (type) {
+    case dtype::float32:
+    case dtype::float16:
+    case dtype::bfloat16: return MPI_FLOAT;
+    case dtype::float64: return MPI_DOUBLE;
+    case dtype::int32: return MPI_INT32_T;
+    case dtype::int64: return MPI_INT64_T;
+    case dtype::uint8: break;
+  }
+  return MPI_UINT8_T;
 }
 
 inline MPI_Op mpi_op(reduce_kind kind) {
@@ -118,6 +126,8 @@ class mpi_backend {
   static constexpr memory_space memory = memory_space::host;
   /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
   static constexpr bool runtime_reductions = true;
+  /// process_group hands every call to run() as one record.
+  static constexpr bool takes_call_records = true;
   /// Every collective, each with the call's fingerprint and deadline.
   static constexpr backend_capabilities capabilities = all_capabilities;
 
@@ -165,121 +175,87 @@ class mpi_backend {
   // --- the extended interface used by process_group: its fingerprint and deadline -------
   template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    if (data.empty()) return;
-    with_accumulation_buffer(data, [&](auto* buffer) {
-      MPI_Request request;
-      call(MPI_Iallreduce(MPI_IN_PLACE, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op(kind_of(op)), comm_, &request),
-           "MPI_Iallreduce", desc);
-      wait(request, desc, until);
-      if (kind_of(op) == reduce_kind::avg) {
-        for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = ddp::finish_reduction(op, buffer[i], size_);
-      }
-    });
+    run(record<T>(collective::all_reduce, data, data, kind_of(op)), desc, until);
   }
-
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    if (data.empty()) return;
-    MPI_Request request;
-    call(MPI_Ibcast(data.data(), count(data.size_bytes()), MPI_BYTE, root, comm_, &request), "MPI_Ibcast", desc);
-    wait(request, desc, until);
+    run(record<T>(collective::broadcast, data, data, reduce_kind::sum, root), desc, until);
   }
-
   template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    if (data.empty()) return;
-    with_accumulation_buffer(data, [&](auto* buffer) {
-      MPI_Request request;
-      void* send = rank_ == root ? MPI_IN_PLACE : static_cast<void*>(buffer);
-      call(MPI_Ireduce(send, buffer, count(data.size()), detail::mpi_datatype<T>(), detail::mpi_op(kind_of(op)), root, comm_, &request),
-           "MPI_Ireduce", desc);
-      wait(request, desc, until);
-      if (kind_of(op) == reduce_kind::avg) {
-        if (rank_ == root)
-          for (std::size_t i = 0; i < data.size(); ++i) buffer[i] = ddp::finish_reduction(op, buffer[i], size_);
-      }
-    });
+    run(record<T>(collective::reduce, data, data, kind_of(op), root), desc, until);
   }
-
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    if (in.empty()) return;
-    MPI_Request request;
-    call(MPI_Iallgather(in.data(), count(in.size_bytes()), MPI_BYTE, out.data(), count(in.size_bytes()), MPI_BYTE, comm_, &request),
-         "MPI_Iallgather", desc);
-    wait(request, desc, until);
+    run(record<T>(collective::all_gather, in, out), desc, until);
   }
-
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    if (out.empty()) return;
-    if constexpr (half_precision<T>) {
-      std::vector<float> wide(in.size()), result(out.size());
-      for (std::size_t i = 0; i < in.size(); ++i) wide[i] = static_cast<float>(in[i]);
-      MPI_Request request;
-      call(MPI_Ireduce_scatter_block(wide.data(), result.data(), count(out.size()), MPI_FLOAT, detail::mpi_op(kind_of(op)), comm_, &request),
-           "MPI_Ireduce_scatter_block", desc);
-      wait(request, desc, until);
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = T(ddp::finish_reduction(op, result[i], size_));
-    } else {
-      MPI_Request request;
-      call(MPI_Ireduce_scatter_block(in.data(), out.data(), count(out.size()), detail::mpi_datatype<T>(), detail::mpi_op(kind_of(op)), comm_,
-                                     &request),
-           "MPI_Ireduce_scatter_block", desc);
-      wait(request, desc, until);
-      if (kind_of(op) == reduce_kind::avg) {
-        for (auto& v : out) v = ddp::finish_reduction(op, v, size_);
-      }
-    }
+    run(record<T>(collective::reduce_scatter, in, out, kind_of(op)), desc, until);
   }
-
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    if (in.empty()) return;
-    const int block = count(in.size_bytes() / static_cast<std::size_t>(size_));
-    MPI_Request request;
-    call(MPI_Ialltoall(in.data(), block, MPI_BYTE, out.data(), block, MPI_BYTE, comm_, &request), "MPI_Ialltoall", desc);
-    wait(request, desc, until);
+    run(record<T>(collective::all_to_all, in, out), desc, until);
   }
-
-  void barrier(const collective_desc& desc, deadline until) {
-    agree(desc, until);
-    MPI_Request request;
-    call(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", desc);
-    wait(request, desc, until);
-  }
-
+  void barrier(const collective_desc& desc, deadline until) { run(collective_call{.op = collective::barrier}, desc, until); }
   template <dtype_like T>
   void send(std::span<const T> data, int peer, const collective_desc& desc, deadline until) {
-    const auto header = wire_header::encode(desc);
-    MPI_Request requests[2];
-    call(MPI_Isend(header.bytes, wire_header::size, MPI_BYTE, peer, point_to_point_tag, comm_, &requests[0]), "MPI_Isend", desc);
-    call(MPI_Isend(data.data(), count(data.size_bytes()), MPI_BYTE, peer, point_to_point_tag, comm_, &requests[1]), "MPI_Isend", desc);
-    wait(requests[0], desc, until);
-    wait(requests[1], desc, until);
+    run(record<T>(collective::send, data, std::span<T>(), reduce_kind::sum, peer), desc, until);
   }
   template <dtype_like T>
   void recv(std::span<T> data, int peer, const collective_desc& desc, deadline until) {
-    wire_header header;
-    MPI_Request request;
-    call(MPI_Irecv(header.bytes, wire_header::size, MPI_BYTE, peer, point_to_point_tag, comm_, &request), "MPI_Irecv", desc);
-    wait(request, desc, until);
-    if (!header.has_magic() || header.decode().op != collective::send || header.decode().count != desc.count ||
-        header.decode().type != desc.type) {
-      throw error(errc::mismatch,
-                  "rank " + std::to_string(peer) + " sent " + (header.has_magic() ? header.decode().describe() : "no ddp header") +
-                      ", this rank expected to receive " + desc.detail(),
-                  desc.context(rank_));
-    }
-    call(MPI_Irecv(data.data(), count(data.size_bytes()), MPI_BYTE, peer, point_to_point_tag, comm_, &request), "MPI_Irecv", desc);
-    wait(request, desc, until);
+    run(record<T>(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), desc, until);
   }
+
+  /// One collective as a record (process_group has checked it; in place for all_reduce,
+  /// broadcast and reduce). Collectives first agree on the fingerprint; send and recv carry a
+  /// header instead.
+  void run(const collective_call& c, const collective_desc& desc, deadline until) {
+    MPI_Request request;
+    switch (c.op) {
+      case collective::all_reduce:
+        agree(desc, until);
+        return reducing(c, true, desc, until, "MPI_Iallreduce", [&](const void*, void* data, MPI_Datatype type, MPI_Request* r) {
+          return MPI_Iallreduce(MPI_IN_PLACE, data, count(c.out_count), type, detail::mpi_op(c.reduction), comm_, r);
+        });
+      case collective::reduce:
+        agree(desc, until);
+        return reducing(c, rank_ == c.root, desc, until, "MPI_Ireduce", [&](const void*, void* data, MPI_Datatype type, MPI_Request* r) {
+          const void* send = rank_ == c.root ? MPI_IN_PLACE : data;
+          return MPI_Ireduce(send, data, count(c.out_count), type, detail::mpi_op(c.reduction), c.root, comm_, r);
+        });
+      case collective::reduce_scatter:
+        agree(desc, until);
+        return reducing(c, true, desc, until, "MPI_Ireduce_scatter_block", [&](const void* in, void* out, MPI_Datatype type, MPI_Request* r) {
+          return MPI_Ireduce_scatter_block(in, out, count(c.out_count), type, detail::mpi_op(c.reduction), comm_, r);
+        });
+      case collective::broadcast:
+        agree(desc, until);
+        if (c.out_count == 0) return;
+        call(MPI_Ibcast(c.out, count(c.out_bytes()), MPI_BYTE, c.root, comm_, &request), "MPI_Ibcast", desc);
+        return wait(request, desc, until);
+      case collective::all_gather:
+        agree(desc, until);
+        if (c.in_count == 0) return;
+        call(MPI_Iallgather(c.in, count(c.in_bytes()), MPI_BYTE, c.out, count(c.in_bytes()), MPI_BYTE, comm_, &request), "MPI_Iallgather", desc);
+        return wait(request, desc, until);
+      case collective::all_to_all: {
+        agree(desc, until);
+        if (c.in_count == 0) return;
+        const int block = count(c.in_bytes() / static_cast<std::size_t>(size_));
+        call(MPI_Ialltoall(c.in, block, MPI_BYTE, c.out, block, MPI_BYTE, comm_, &request), "MPI_Ialltoall", desc);
+        return wait(request, desc, until);
+      }
+      case collective::barrier:
+        agree(desc, until);
+        call(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", desc);
+        return wait(request, desc, until);
+      case collective::send: return send_bytes(c.in, c.in_bytes(), c.root, desc, until);
+      case collective::recv: return recv_bytes(c.out, c.out_bytes(), c.root, desc, until);
+    }
+    throw error(errc::unavailable, std::string(to_string(c.op)) + " is not offered by the MPI backend", desc.context(rank_));
+  }
+
   template <dtype_like T>
   void send(std::span<const T> data, int peer) { send(data, peer, point_to_point<T>(collective::send, data.size()), deadline::never()); }
   template <dtype_like T>
@@ -365,17 +341,82 @@ class mpi_backend {
     return d;
   }
 
-  // half types are reduced in float32: run `f` on a float copy and convert back.
-  template <class T, class F>
-  void with_accumulation_buffer(std::span<T> data, F&& f) {
-    if constexpr (half_precision<T>) {
-      std::vector<float> wide(data.size());
-      for (std::size_t i = 0; i < data.size(); ++i) wide[i] = static_cast<float>(data[i]);
-      f(wide.data());
-      for (std::size_t i = 0; i < data.size(); ++i) data[i] = T(wide[i]);
-    } else {
-      f(data.data());
+  template <class T>
+  static collective_call record(collective op, std::span<const T> in, std::span<T> out, reduce_kind reduction = reduce_kind::sum,
+                                int root = -1) noexcept {
+    return {.op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
+            .out = out.data(), .out_count = out.size()};
+  }
+
+  // Starts a nonblocking reduction of `in` into `out` (in place: the same buffer) in `type`.
+  using start_reduction = detail::function_ref<int(const void* in, void* out, MPI_Datatype type, MPI_Request* request)>;
+
+  // A reducing collective: half types go through float32 copies (converted back after), and
+  // avg's sum is divided once where `owns_result` (the root of a reduce; every rank otherwise).
+  void reducing(const collective_call& c, bool owns_result, const collective_desc& desc, deadline until, const char* name,
+                start_reduction start) {
+    if (c.out_count == 0) return;
+    const bool in_place = c.in == c.out;
+    visit_dtype(c.type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using A = accumulate_t<T>;
+      T* out = static_cast<T*>(c.out);
+      const T* in = static_cast<const T*>(c.in);
+      std::vector<A> wide_in, wide_out;
+      A* result = nullptr;
+      const A* source = nullptr;
+      if constexpr (half_precision<T>) {
+        const auto widen = [](const T* from, std::size_t n) {
+          std::vector<A> wide(n);
+          for (std::size_t i = 0; i < n; ++i) wide[i] = static_cast<A>(from[i]);
+          return wide;
+        };
+        wide_out = in_place ? widen(out, c.out_count) : std::vector<A>(c.out_count);
+        result = wide_out.data();
+        source = result;
+        if (!in_place) {
+          wide_in = widen(in, c.in_count);
+          source = wide_in.data();
+        }
+      } else {
+        result = out;
+        source = in;
+      }
+      MPI_Request request;
+      call(start(source, result, detail::mpi_datatype(c.type), &request), name, desc);
+      wait(request, desc, until);
+      if (owns_result && c.reduction == reduce_kind::avg) {
+        for (std::size_t i = 0; i < c.out_count; ++i) result[i] = avg{}.finish(result[i], size_);
+      }
+      if constexpr (half_precision<T>) {
+        for (std::size_t i = 0; i < c.out_count; ++i) out[i] = T(result[i]);
+      }
+    });
+  }
+
+  void send_bytes(const void* data, std::size_t bytes, int peer, const collective_desc& desc, deadline until) {
+    const auto header = wire_header::encode(desc);
+    MPI_Request requests[2];
+    call(MPI_Isend(header.bytes, wire_header::size, MPI_BYTE, peer, point_to_point_tag, comm_, &requests[0]), "MPI_Isend", desc);
+    call(MPI_Isend(data, count(bytes), MPI_BYTE, peer, point_to_point_tag, comm_, &requests[1]), "MPI_Isend", desc);
+    wait(requests[0], desc, until);
+    wait(requests[1], desc, until);
+  }
+
+  void recv_bytes(void* data, std::size_t bytes, int peer, const collective_desc& desc, deadline until) {
+    wire_header header;
+    MPI_Request request;
+    call(MPI_Irecv(header.bytes, wire_header::size, MPI_BYTE, peer, point_to_point_tag, comm_, &request), "MPI_Irecv", desc);
+    wait(request, desc, until);
+    if (!header.has_magic() || header.decode().op != collective::send || header.decode().count != desc.count ||
+        header.decode().type != desc.type) {
+      throw error(errc::mismatch,
+                  "rank " + std::to_string(peer) + " sent " + (header.has_magic() ? header.decode().describe() : "no ddp header") +
+                      ", this rank expected to receive " + desc.detail(),
+                  desc.context(rank_));
     }
+    call(MPI_Irecv(data, count(bytes), MPI_BYTE, peer, point_to_point_tag, comm_, &request), "MPI_Irecv", desc);
+    wait(request, desc, until);
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;

@@ -21,6 +21,10 @@
 //
 // ddp::float16 / ddp::bfloat16 have the device types' bit layout and map to ncclFloat16 /
 // ncclBfloat16 (NCCL accumulates them itself).
+//
+// NCCL takes the element type and the reduction at run time, so the backend takes every call as
+// one record (takes_call_records): its typed forms only build the record, and nothing below
+// them is compiled once per element type or collective.
 
 #if !defined(DDP_HAS_NCCL)
 #error "<ddp/backends/nccl.hpp> needs CUDA and NCCL: link the CMake target ddp::nccl (found when CUDA and NCCL are installed)"
@@ -45,6 +49,7 @@
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
+#include "ddp/core/function_ref.hpp"
 #include "ddp/core/reduce_op.hpp"
 #include "ddp/store/store.hpp"
 
@@ -76,10 +81,6 @@ constexpr ncclDataType_t nccl_datatype(dtype type) noexcept {
   }
   return ncclUint8;
 }
-template <class T>
-constexpr ncclDataType_t nccl_datatype() noexcept {
-  return nccl_datatype(dtype_of<std::remove_cv_t<T>>);
-}
 
 constexpr ncclRedOp_t nccl_op(reduce_kind kind) noexcept {
   switch (kind) {
@@ -90,6 +91,26 @@ constexpr ncclRedOp_t nccl_op(reduce_kind kind) noexcept {
     case reduce_kind::prod: break;
   }
   return ncclProd;
+}
+
+/// The arguments of the NCCL call(s) for one collective record in a world of `size`: the
+/// elements each call moves (all_to_all: per peer), their type, the reduction, and the root
+/// (send, recv: the peer).
+struct nccl_arguments {
+  std::size_t count = 0;
+  ncclDataType_t type = ncclUint8;
+  ncclRedOp_t op = ncclSum;
+  int root = -1;
+};
+constexpr nccl_arguments nccl_arguments_of(const collective_call& c, int size) noexcept {
+  std::size_t count = c.out_count;
+  switch (c.op) {
+    case collective::all_gather:
+    case collective::send: count = c.in_count; break;
+    case collective::all_to_all: count = size > 0 ? c.in_count / static_cast<std::size_t>(size) : 0; break;
+    default: break;
+  }
+  return {count, nccl_datatype(c.type), nccl_op(c.reduction), c.root};
 }
 
 /// Rank 0 makes the unique id (make_id()) and publishes it under `key`; the others read it
@@ -127,6 +148,8 @@ class nccl_backend {
   static constexpr memory_space memory = memory_space::device;
   /// Reducing collectives take a ddp::runtime_op as well as the static ops (ddp::group uses it).
   static constexpr bool runtime_reductions = true;
+  /// process_group hands every call to run() as one record.
+  static constexpr bool takes_call_records = true;
   /// Every collective, each with the call's fingerprint and deadline.
   static constexpr backend_capabilities capabilities = all_capabilities;
   static constexpr bool natively_async = true;
@@ -233,65 +256,83 @@ class nccl_backend {
   // --- with the group's fingerprint and deadline (the extended interface) --------------
   template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
-    run(desc, until, {operand::in_out(data)}, [&](void* const* p) {
-      return ncclAllReduce(p[0], p[0], data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
-    });
+    run(record<T>(collective::all_reduce, data, data, kind_of(op)), desc, until);
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
-    run(desc, until, {operand::in_out(data)},
-        [&](void* const* p) { return ncclBroadcast(p[0], p[0], data.size(), detail::nccl_datatype<T>(), root, comm_, stream_); });
+    run(record<T>(collective::broadcast, data, data, reduce_kind::sum, root), desc, until);
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
-    run(desc, until, {operand::in_out(data)}, [&](void* const* p) {
-      return ncclReduce(p[0], p[0], data.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), root, comm_, stream_);
-    });
+    run(record<T>(collective::reduce, data, data, kind_of(op), root), desc, until);
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    run(desc, until, {operand::input(in), operand::output(out)},
-        [&](void* const* p) { return ncclAllGather(p[0], p[1], in.size(), detail::nccl_datatype<T>(), comm_, stream_); });
+    run(record<T>(collective::all_gather, in, out), desc, until);
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
-    run(desc, until, {operand::input(in), operand::output(out)}, [&](void* const* p) {
-      return ncclReduceScatter(p[0], p[1], out.size(), detail::nccl_datatype<T>(), detail::nccl_op(kind_of(op)), comm_, stream_);
-    });
+    run(record<T>(collective::reduce_scatter, in, out, kind_of(op)), desc, until);
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    const std::size_t block = in.size() / static_cast<std::size_t>(size_);
-    run(desc, until, {operand::input(in), operand::output(out)}, [&](void* const* p) {
-      const auto* source = static_cast<const T*>(p[0]);
-      auto* target = static_cast<T*>(p[1]);
-      ncclResult_t result = ncclGroupStart();
-      for (int peer = 0; peer < size_ && result == ncclSuccess; ++peer) {
-        const auto offset = block * static_cast<std::size_t>(peer);
-        result = ncclSend(source + offset, block, detail::nccl_datatype<T>(), peer, comm_, stream_);
-        if (result == ncclSuccess) result = ncclRecv(target + offset, block, detail::nccl_datatype<T>(), peer, comm_, stream_);
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      return result != ncclSuccess ? result : end;
-    });
+    run(record<T>(collective::all_to_all, in, out), desc, until);
   }
-  void barrier(const collective_desc& desc, deadline until) {
-    run(desc, until, {}, [&](void* const*) { return ncclAllReduce(fingerprint_, fingerprint_, 1, ncclUint64, ncclMax, comm_, stream_); });
-  }
+  void barrier(const collective_desc& desc, deadline until) { run(collective_call{.op = collective::barrier}, desc, until); }
   template <dtype_like T>
   void send(std::span<const T> data, int peer, const collective_desc& desc, deadline until) {
-    run_unchecked(desc, until, {operand::input(data)},
-                  [&](void* const* p) { return ncclSend(p[0], data.size(), detail::nccl_datatype<T>(), peer, comm_, stream_); });
+    run(record<T>(collective::send, data, std::span<T>(), reduce_kind::sum, peer), desc, until);
   }
   template <dtype_like T>
   void recv(std::span<T> data, int peer, const collective_desc& desc, deadline until) {
-    run_unchecked(desc, until, {operand::output(data)},
-                  [&](void* const* p) { return ncclRecv(p[0], data.size(), detail::nccl_datatype<T>(), peer, comm_, stream_); });
+    run(record<T>(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), desc, until);
   }
   template <dtype_like T>
   void send(std::span<const T> data, int peer) { send(data, peer, collective_desc{.op = collective::send, .type = dtype_of<T>, .count = data.size()}, default_deadline()); }
   template <dtype_like T>
   void recv(std::span<T> data, int peer) { recv(data, peer, collective_desc{.op = collective::recv, .type = dtype_of<T>, .count = data.size()}, default_deadline()); }
+
+  /// One collective as a record (process_group has checked it; in place for all_reduce,
+  /// broadcast and reduce). Collectives first agree on the fingerprint; send and recv do not.
+  void run(const collective_call& c, const collective_desc& desc, deadline until) {
+    const detail::nccl_arguments a = detail::nccl_arguments_of(c, size_);
+    const operand in{c.in, nullptr, c.in_bytes()}, out{nullptr, c.out, c.out_bytes()}, in_out{c.out, c.out, c.out_bytes()};
+    switch (c.op) {
+      case collective::all_reduce:
+        return run_checked(desc, until, {in_out}, [&](void* const* p) { return ncclAllReduce(p[0], p[0], a.count, a.type, a.op, comm_, stream_); });
+      case collective::broadcast:
+        return run_checked(desc, until, {in_out}, [&](void* const* p) { return ncclBroadcast(p[0], p[0], a.count, a.type, a.root, comm_, stream_); });
+      case collective::reduce:
+        return run_checked(desc, until, {in_out},
+                           [&](void* const* p) { return ncclReduce(p[0], p[0], a.count, a.type, a.op, a.root, comm_, stream_); });
+      case collective::all_gather:
+        return run_checked(desc, until, {in, out}, [&](void* const* p) { return ncclAllGather(p[0], p[1], a.count, a.type, comm_, stream_); });
+      case collective::reduce_scatter:
+        return run_checked(desc, until, {in, out},
+                           [&](void* const* p) { return ncclReduceScatter(p[0], p[1], a.count, a.type, a.op, comm_, stream_); });
+      case collective::all_to_all:
+        return run_checked(desc, until, {in, out}, [&](void* const* p) {
+          const std::size_t block_bytes = a.count * size_of(c.type);
+          const auto* source = static_cast<const std::byte*>(p[0]);
+          auto* target = static_cast<std::byte*>(p[1]);
+          ncclResult_t result = ncclGroupStart();
+          for (int peer = 0; peer < size_ && result == ncclSuccess; ++peer) {
+            const auto offset = block_bytes * static_cast<std::size_t>(peer);
+            result = ncclSend(source + offset, a.count, a.type, peer, comm_, stream_);
+            if (result == ncclSuccess) result = ncclRecv(target + offset, a.count, a.type, peer, comm_, stream_);
+          }
+          const ncclResult_t end = ncclGroupEnd();
+          return result != ncclSuccess ? result : end;
+        });
+      case collective::barrier:
+        return run_checked(desc, until, {}, [&](void* const*) { return ncclAllReduce(fingerprint_, fingerprint_, 1, ncclUint64, ncclMax, comm_, stream_); });
+      case collective::send:
+        return run_unchecked(desc, until, {in}, [&](void* const* p) { return ncclSend(p[0], a.count, a.type, a.root, comm_, stream_); });
+      case collective::recv:
+        return run_unchecked(desc, until, {out}, [&](void* const* p) { return ncclRecv(p[0], a.count, a.type, a.root, comm_, stream_); });
+    }
+    throw error(errc::unavailable, std::string(to_string(c.op)) + " is not offered by the NCCL backend", desc.context(rank_));
+  }
 
   /// Aborts the communicator: every waiter returns with errc::peer_lost; the backend is unusable afterwards.
   void abort() noexcept { aborted_.store(true); }
@@ -302,16 +343,19 @@ class nccl_backend {
     const void* read = nullptr;  // copied to the device before the operation when staged
     void* write = nullptr;       // copied back to the host after it when staged
     std::size_t bytes = 0;
-    template <class T>
-    static operand in_out(std::span<T> s) { return {s.data(), s.data(), s.size_bytes()}; }
-    template <class T>
-    static operand input(std::span<const T> s) { return {s.data(), nullptr, s.size_bytes()}; }
-    template <class T>
-    static operand output(std::span<T> s) { return {nullptr, s.data(), s.size_bytes()}; }
     const void* address() const noexcept { return read != nullptr ? read : write; }
   };
   static constexpr std::size_t max_operands = 2;
   using operands = std::array<operand, max_operands>;
+  // Puts the operation on the backend's stream, given the device addresses of the operands.
+  using enqueue_ref = detail::function_ref<ncclResult_t(void* const*)>;
+
+  template <class T>
+  static collective_call record(collective op, std::span<const T> in, std::span<T> out, reduce_kind reduction = reduce_kind::sum,
+                                int root = -1) noexcept {
+    return {.op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
+            .out = out.data(), .out_count = out.size()};
+  }
 
   template <class T>
   collective_desc next(collective op, std::size_t n, reduce_kind reduction = reduce_kind::sum, int root = -1) {
@@ -335,15 +379,14 @@ class nccl_backend {
 
   // Agrees on the fingerprint (MAX over {h, ~h} is {h, ~h} everywhere only if all are equal),
   // then runs the operation.
-  template <class Enqueue>
-  void run(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
+  void run_checked(const collective_desc& desc, deadline until, operands ops, enqueue_ref enqueue) {
     const call_site site{.desc = &desc, .rank = rank_};
     if (options_.check_collectives && size_ > 1) {
       const auto header = wire_header::encode(normalized(desc));
       std::uint64_t h = 1469598103934665603ull;
       for (unsigned char b : header.bytes) h = (h ^ b) * 1099511628211ull;
       std::uint64_t agreed[2] = {h, ~h};
-      run_unchecked(desc, until, {operand::in_out(std::span<std::uint64_t>(agreed))}, [&](void* const* p) {
+      run_unchecked(desc, until, {operand{agreed, agreed, sizeof agreed}}, [&](void* const* p) {
         return ncclAllReduce(p[0], p[0], 2, ncclUint64, ncclMax, comm_, stream_);
       });
       if (agreed[0] != h || agreed[1] != ~h) {
@@ -351,13 +394,12 @@ class nccl_backend {
                                     "the ring backend to see both calls)", site.context());
       }
     }
-    run_unchecked(desc, until, ops, std::forward<Enqueue>(enqueue));
+    run_unchecked(desc, until, ops, enqueue);
   }
 
   // Stages host operands, orders the stream after the compute stream, enqueues, waits for the
   // stream (with the deadline), and copies staged results back.
-  template <class Enqueue>
-  void run_unchecked(const collective_desc& desc, deadline until, operands ops, Enqueue&& enqueue) {
+  void run_unchecked(const collective_desc& desc, deadline until, operands ops, enqueue_ref enqueue) {
     const call_site site{.desc = &desc, .rank = rank_};
     if (aborted_.load() || comm_ == nullptr) throw error(errc::peer_lost, "the NCCL communicator was aborted by an earlier error", site.context());
     // Nothing to move (every rank has count 0: the fingerprints agreed on it): NCCL is not called.
