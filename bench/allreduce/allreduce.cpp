@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "../common/bench_table.hpp"
+#include "../common/rank_binding.hpp"
 #include "ddp/backends/ring.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/store/file_store.hpp"
@@ -44,18 +45,6 @@ struct options {
   bool check = false;
   bool bind = true;
 };
-
-// The CPUs this process may use, in order.
-std::vector<int> allowed_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cpus;
-  if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  }
-  return cpus;
-}
 
 template <class Buffer>
 int sweep(ddp::process_group<ddp::ring_backend>& g, Buffer& data, std::vector<float>& in, const options& o) {
@@ -161,20 +150,13 @@ int main(int argc, char** argv) {
 
   const std::string path = "/tmp/ddp_bench_allreduce_" + std::to_string(::getpid()) + ".store";
   std::remove(path.c_str());
-  const std::vector<int> cpus = allowed_cpus();
-  const bool bind = o.bind && static_cast<int>(cpus.size()) >= o.np;
-  if (o.bind && !bind) std::fprintf(stderr, "ddp_bench_allreduce: %d ranks on %zu CPUs: ranks not bound\n", o.np, cpus.size());
+  const ddp::bench::rank_binding binding(o.bind, o.np, "ddp_bench_allreduce");
   std::vector<pid_t> pids;
   for (int r = 0; r < o.np; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0) usage("fork failed");
     if (pid == 0) {
-      if (bind) {
-        cpu_set_t one;
-        CPU_ZERO(&one);
-        CPU_SET(cpus[static_cast<std::size_t>(r)], &one);
-        if (::sched_setaffinity(0, sizeof one, &one) != 0) std::perror("ddp_bench_allreduce: sched_setaffinity");
-      }
+      binding.apply(r, "ddp_bench_allreduce");
       int code = 1;
       try {
         code = run_rank(r, o, path) == 0 ? 0 : 3;

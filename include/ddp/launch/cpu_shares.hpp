@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "ddp/core/cpus.hpp"
+
 namespace ddp::detail {
 
 // A named type around the C one: nvcc's front end fails on a container of cpu_set_t, an
@@ -20,15 +22,11 @@ struct cpu_share {
 /// One CPU set per worker, or none (and `why_not` says why) when there are more workers than
 /// CPUs or the launcher's own set cannot be read.
 inline std::vector<cpu_share> cpu_shares(int workers, std::string& why_not) {
-  cpu_set_t mine;
-  CPU_ZERO(&mine);
-  if (::sched_getaffinity(0, sizeof mine, &mine) != 0) {
+  const std::vector<int> cpus = allowed_cpus();
+  if (cpus.empty()) {
     why_not = "cannot read this launcher's CPUs (sched_getaffinity)";
     return {};
   }
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &mine)) cpus.push_back(c);
   const int n = static_cast<int>(cpus.size());
   if (workers < 1 || workers > n) {
     why_not = std::to_string(workers) + " workers on " + std::to_string(n) + " CPUs: no worker is bound";

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/cpus.hpp"
 #include "ddp/core/error.hpp"
 
 namespace ddp::detail::shm {
@@ -51,10 +52,8 @@ inline void cpu_relax() noexcept {
 }
 
 /// Number of CPUs this process may run on: above it, spinning waiters starve the ranks they wait for.
-inline int usable_cpus() noexcept {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+inline int usable_cpus() {
+  if (const auto cpus = allowed_cpus(); !cpus.empty()) return static_cast<int>(cpus.size());
   const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;
 }

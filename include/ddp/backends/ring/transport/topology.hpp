@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "ddp/core/cpus.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
 #include "ddp/core/host.hpp"
@@ -71,16 +72,13 @@ class rank_topology {
 
   /// This process's CPUs as a list of ranges ("0-3,8"); empty when they cannot be read.
   static std::string cpu_list_of_this_process() {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    if (::sched_getaffinity(0, sizeof set, &set) != 0) return {};
+    const std::vector<int> cpus = detail::allowed_cpus();
     std::string out;
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (!CPU_ISSET(c, &set)) continue;
-      int last = c;
-      while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
-      out += (out.empty() ? "" : ",") + std::to_string(c) + (last > c ? "-" + std::to_string(last) : std::string());
-      c = last;
+    for (std::size_t i = 0; i < cpus.size();) {
+      std::size_t last = i;  // the end of a run of consecutive ids
+      while (last + 1 < cpus.size() && cpus[last + 1] == cpus[last] + 1) ++last;
+      out += (out.empty() ? "" : ",") + std::to_string(cpus[i]) + (last > i ? "-" + std::to_string(cpus[last]) : std::string());
+      i = last + 1;
     }
     return out;
   }
