@@ -22,6 +22,7 @@
 #include "ddp/store/detail/secret.hpp"
 #include "ddp/store/tcp_store.hpp"
 #include "support/log_capture.hpp"
+#include "support/loopback_listener.hpp"
 #include "support/multiprocess.hpp"
 
 namespace ddp_test_store_auth {
@@ -341,22 +342,13 @@ namespace {
 // A listener on a free port that plays a server which does not know the token: it answers a
 // client's hello with `reply` and records every byte the client sends until it hangs up.
 struct impostor {
-  ds::unique_fd listener;
-  std::uint16_t port = 0;
+  ddp::test::loopback_listener listener;
+  std::uint16_t port = listener.port;
   std::vector<std::byte> received;
   std::thread thread;
   explicit impostor(std::vector<std::byte> reply) {
-    listener.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    REQUIRE(::listen(listener.get(), 4) == 0);
-    socklen_t len = sizeof addr;
-    ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
     thread = std::thread([this, reply = std::move(reply)] {
-      ds::unique_fd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      ds::unique_fd c(::accept4(listener.fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (!c) return;
       std::vector<std::byte> hello(ds::client_hello_bytes);
       if (ds::recv_exact_by(c.get(), hello, ddp::deadline::after(5s)).status != ds::transfer_status::done) return;

@@ -19,6 +19,7 @@
 #include "ddp/store/detail/hmac_sha256.hpp"
 #include "ddp/store/tcp_store.hpp"
 #include "support/log_capture.hpp"
+#include "support/loopback_listener.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
@@ -889,20 +890,8 @@ TEST_CASE("tcp_store: a port held by another job's store says whose it is") {
 }
 
 // A listener that never greets, as PyTorch's TCPStore (torchrun's agent) does; port() says where.
-struct silent_listener {
-  ds::unique_fd fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
-  std::uint16_t port = 0;
-  silent_listener() {
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    REQUIRE(::listen(fd.get(), 8) == 0);
-    socklen_t len = sizeof addr;
-    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
-  }
-};
+// A program that holds a port and answers nobody.
+using silent_listener = ddp::test::loopback_listener;
 
 TEST_CASE("tcp_store: a port held by a program that is not a ddp store is named as such") {
   const silent_listener listener;

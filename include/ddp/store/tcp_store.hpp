@@ -239,16 +239,13 @@ class tcp_store final : public store {
       for (std::size_t i = 0; i < ports.size(); ++i) {
         if (held_by_other[i]) continue;
         const deadline attempt(std::min(until.time_point(), deadline::after(greeting_wait).time_point()));
-        detail::unique_fd fd;
-        try {
-          const auto list = detail::resolve(host_, ports[i], false);
-          int err = 0;
-          for (const addrinfo* ai = list.get(); ai != nullptr && !fd; ai = ai->ai_next) fd = detail::try_connect(ai, attempt, err);
-          if (!fd) found[i] = ": " + system_message("connect", err);
-        } catch (const error& e) {
-          found[i] = ": " + e.message();  // the name may resolve later
+        int err = 0;
+        std::string why;
+        detail::unique_fd fd = detail::connect_once(host_, ports[i], attempt, err, why);
+        if (!fd) {
+          found[i] = ": " + why;
+          continue;
         }
-        if (!fd) continue;
         auto g = detail::read_port_greeting(fd.get(), mine, job_, attempt);
         if (g.holder == detail::port_holder::store_of_job) {
           fd_ = std::move(fd);

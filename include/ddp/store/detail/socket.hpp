@@ -170,6 +170,21 @@ inline unique_fd try_connect(const addrinfo* ai, const deadline& until, int& err
   return fd;
 }
 
+/// One attempt at host:port, on each address the name resolves to in turn. Returns the connected
+/// fd, or an empty one with `why` saying what failed (and `err` the errno of a failed connect).
+inline unique_fd connect_once(const std::string& host, std::uint16_t port, const deadline& until, int& err, std::string& why) {
+  try {
+    const auto list = resolve(host, port, false);
+    for (const addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
+      if (auto fd = try_connect(ai, until, err)) return fd;
+      why = system_message("connect", err);
+    }
+  } catch (const error& e) {
+    why = e.message();  // the name may resolve later (DNS, /etc/hosts written at start-up)
+  }
+  return {};
+}
+
 /// Connects, retrying refused/unreachable attempts until the deadline: ranks race at start-up,
 /// and the server may come up after its clients.
 inline unique_fd connect_with_retry(const std::string& host, std::uint16_t port, const deadline& until) {
@@ -177,17 +192,7 @@ inline unique_fd connect_with_retry(const std::string& host, std::uint16_t port,
   int last_err = 0;
   std::string last_what = "no attempt made";
   while (true) {
-    try {
-      const auto list = resolve(host, port, false);
-      for (const addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
-        int err = 0;
-        if (auto fd = try_connect(ai, until, err)) return fd;
-        last_err = err;
-        last_what = system_message("connect", err);
-      }
-    } catch (const error& e) {
-      last_what = e.message();  // the name may resolve later (DNS, /etc/hosts written at start-up)
-    }
+    if (auto fd = connect_once(host, port, until, last_err, last_what)) return fd;
     if (until.expired()) {
       throw error(errc::timeout, "could not connect to the store server " + host_port(host, port) + " before the deadline (" +
                                      last_what + "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?",
