@@ -570,12 +570,15 @@ TEST_CASE("launch_environment::describe shows the launcher, why it was chosen, t
     CHECK_THAT(text, Catch::Contains("  job               slurm:4242.0         <- SLURM_JOB_ID, SLURM_STEP_ID\n"));
     CHECK_THAT(text, Catch::Contains("  local_rank        1                    <- SLURM_LOCALID\n"));
     CHECK_THAT(text, Catch::Contains("  master_port       24242                <- derived (SLURM_JOB_ID, SLURM_STEP_ID)\n"));
+    // 20000 + (4242 + k * 4099) % 12768 for k = 1..7, by hand.
+    CHECK_THAT(text, Catch::Contains("  port_alternates   28341 32440 23771 27870 31969 23300 27399 <- derived (in turn, where master_port is held)\n"));
   }
   {
     const auto env = env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "job-master-0"}, {"MASTER_PORT", "23456"}});
     const std::string text = env.describe();
     INFO(text);
     CHECK_THAT(text, Catch::Contains("  job               (none)               <- default\n"));
+    CHECK_THAT(text, !Catch::Contains("port_alternates"));  // MASTER_PORT given: no alternates
     CHECK_THAT(text, Catch::Contains("  local_rank        0 (provisional)      <- derived at rendezvous (ranks sharing a host)\n"));
     CHECK_THAT(text, Catch::Contains("  local_world_size  1 (provisional)      <- derived at rendezvous (ranks sharing a host)\n"));
     CHECK_THAT(text, Catch::Contains("  node_rank         1 (provisional)      <- derived at rendezvous (ranks sharing a host)\n"));

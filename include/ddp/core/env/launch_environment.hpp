@@ -137,6 +137,11 @@ DDP_COMPILED_INLINE std::string launch_environment::describe() const {
   row("num_nodes", layout(num_nodes, origin.num_nodes), origin.num_nodes);
   row("master_addr", master_addr, origin.master_addr);
   row("master_port", std::to_string(master_port), origin.master_port);
+  if (!master_port_alternates.empty()) {
+    std::string ports;
+    for (const int p : master_port_alternates) ports += (ports.empty() ? "" : " ") + std::to_string(p);
+    row("port_alternates", ports, "derived (in turn, where master_port is held)");
+  }
   row("store", use_agent_store ? "torchrun agent's TCPStore, keys under /worker/attempt_" + std::to_string(restart_count)
                : world_size <= 1        ? std::string("none (world of one)")
                : store_served_by_launcher ? std::string("ddp tcp_store served by the launcher")
