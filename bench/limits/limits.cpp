@@ -1,6 +1,8 @@
 // What this machine can do, as baselines for the all-reduce benchmarks:
-//   ddp_bench_limits --probe [--copy] [sweep flags]   the bare two-process shared-memory all-reduce
-//                                                      (the "limit" line), same columns as ddp_bench_allreduce
+//   ddp_bench_limits --probe [--copy] [--bind cpus|none] [sweep flags]
+//                                                      the bare two-process shared-memory all-reduce
+//                                                      (the "limit" line), same columns as ddp_bench_allreduce;
+//                                                      ranks bound as ddp_bench_allreduce binds them
 //   ddp_bench_limits --bandwidth                       memcpy with 1 and 2 threads, loopback TCP stream
 //                                                      one way and both ways at once
 //
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "../common/bench_table.hpp"
+#include "../common/rank_binding.hpp"
 #include "ddp/backends/ring/transport/socket.hpp"
 
 namespace {
@@ -43,7 +46,7 @@ void spin_barrier(probe_control* c, int rank, std::uint64_t generation) {
   }
 }
 
-int probe(const ddp::bench::sweep_options& options, bool copy) {
+int probe(const ddp::bench::sweep_options& options, bool copy, bool bind) {
   const auto sizes = ddp::bench::sizes(options);
   const std::size_t max_floats = sizes.back() / 4;
   const std::size_t bytes = sizeof(probe_control) + 2 * max_floats * sizeof(float);
@@ -55,8 +58,10 @@ int probe(const ddp::bench::sweep_options& options, bool copy) {
   ddp::bench::sweep_options o = options;
   o.system = copy ? "probe-copy" : "probe";
   ddp::bench::print_header(o, 2, copy ? "bare shared-memory probe with copy in/out" : "bare shared-memory probe (in place)");
+  const ddp::bench::rank_binding binding(bind, 2, "ddp_bench_limits");
   const pid_t child = ::fork();
   const int rank = child == 0 ? 1 : 0;
+  binding.apply(rank, "ddp_bench_limits");
   std::vector<float> user(max_floats, 1.0f);
   std::uint64_t generation = 0;
   for (std::size_t size_bytes : sizes) {
@@ -200,17 +205,19 @@ int main(int argc, char** argv) {
   ddp::bench::sweep_options options;
   std::vector<std::string> rest;
   if (!ddp::bench::parse_common(argc, argv, options, rest)) return 2;
-  bool do_probe = false, copy = false, bandwidth = false;
-  for (const auto& a : rest) {
+  bool do_probe = false, copy = false, bandwidth = false, bind = true;
+  for (std::size_t i = 0; i < rest.size(); ++i) {
+    const auto& a = rest[i];
     if (a == "--probe") do_probe = true;
     else if (a == "--copy") copy = true;
     else if (a == "--bandwidth") bandwidth = true;
+    else if (a == "--bind" && i + 1 < rest.size() && (rest[i + 1] == "cpus" || rest[i + 1] == "none")) bind = rest[++i] == "cpus";
     else {
-      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--csv] | --bandwidth [--csv]\n", a.c_str());
+      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv]\n", a.c_str());
       return 2;
     }
   }
-  if (do_probe) return probe(options, copy);
+  if (do_probe) return probe(options, copy, bind);
   if (bandwidth) {
     const std::size_t bytes = std::size_t{64} << 20;
     const double one = memcpy_gbs(1, bytes), two = memcpy_gbs(2, bytes), tcp = tcp_stream_gbs(std::size_t{1} << 30);
@@ -229,6 +236,6 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--csv] | --bandwidth [--csv]\n");
+  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv]\n");
   return 2;
 }
