@@ -424,8 +424,7 @@ class process_group : public detail::pg_range_calls<process_group<B>> {
   collective_call record(collective op, std::span<T> in, std::span<U> out, reduce_kind reduction = reduce_kind::sum, int root = -1) const {
     using V = std::remove_cv_t<U>;
     static_assert(supports_dtype_v<B, V>, "this backend does not support the element type");
-    return collective_call{.op = op, .type = dtype_of<V>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
-                           .out = out.data(), .out_count = out.size()};
+    return collective_call::of(op, in, out, reduction, root);
   }
 
   error_context call_context(collective op) const { return {.rank = rank(), .op = std::string(to_string(op))}; }

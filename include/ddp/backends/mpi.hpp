@@ -175,79 +175,73 @@ class mpi_backend {
   // --- the extended interface used by process_group: its fingerprint and deadline -------
   template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::all_reduce, data, data, kind_of(op)), desc, until);
+    run(collective_call::of(collective::all_reduce, data, data, kind_of(op)), desc, until);
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::broadcast, data, data, reduce_kind::sum, root), desc, until);
+    run(collective_call::of(collective::broadcast, data, data, reduce_kind::sum, root), desc, until);
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::reduce, data, data, kind_of(op), root), desc, until);
+    run(collective_call::of(collective::reduce, data, data, kind_of(op), root), desc, until);
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::all_gather, in, out), desc, until);
+    run(collective_call::of(collective::all_gather, in, out), desc, until);
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::reduce_scatter, in, out, kind_of(op)), desc, until);
+    run(collective_call::of(collective::reduce_scatter, in, out, kind_of(op)), desc, until);
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::all_to_all, in, out), desc, until);
+    run(collective_call::of(collective::all_to_all, in, out), desc, until);
   }
   void barrier(const collective_desc& desc, deadline until) { run(collective_call{.op = collective::barrier}, desc, until); }
   template <dtype_like T>
   void send(std::span<const T> data, int peer, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::send, data, std::span<T>(), reduce_kind::sum, peer), desc, until);
+    run(collective_call::of(collective::send, data, std::span<T>(), reduce_kind::sum, peer), desc, until);
   }
   template <dtype_like T>
   void recv(std::span<T> data, int peer, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), desc, until);
+    run(collective_call::of(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), desc, until);
   }
 
   /// One collective as a record (process_group has checked it; in place for all_reduce,
   /// broadcast and reduce). Collectives first agree on the fingerprint; send and recv carry a
   /// header instead.
   void run(const collective_call& c, const collective_desc& desc, deadline until) {
+    if (c.op != collective::send && c.op != collective::recv) agree(desc, until);
     MPI_Request request;
     switch (c.op) {
       case collective::all_reduce:
-        agree(desc, until);
         return reducing(c, true, desc, until, "MPI_Iallreduce", [&](const void*, void* data, MPI_Datatype type, MPI_Request* r) {
           return MPI_Iallreduce(MPI_IN_PLACE, data, count(c.out_count), type, detail::mpi_op(c.reduction), comm_, r);
         });
       case collective::reduce:
-        agree(desc, until);
         return reducing(c, rank_ == c.root, desc, until, "MPI_Ireduce", [&](const void*, void* data, MPI_Datatype type, MPI_Request* r) {
           const void* send = rank_ == c.root ? MPI_IN_PLACE : data;
           return MPI_Ireduce(send, data, count(c.out_count), type, detail::mpi_op(c.reduction), c.root, comm_, r);
         });
       case collective::reduce_scatter:
-        agree(desc, until);
         return reducing(c, true, desc, until, "MPI_Ireduce_scatter_block", [&](const void* in, void* out, MPI_Datatype type, MPI_Request* r) {
           return MPI_Ireduce_scatter_block(in, out, count(c.out_count), type, detail::mpi_op(c.reduction), comm_, r);
         });
       case collective::broadcast:
-        agree(desc, until);
         if (c.out_count == 0) return;
         call(MPI_Ibcast(c.out, count(c.out_bytes()), MPI_BYTE, c.root, comm_, &request), "MPI_Ibcast", desc);
         return wait(request, desc, until);
       case collective::all_gather:
-        agree(desc, until);
         if (c.in_count == 0) return;
         call(MPI_Iallgather(c.in, count(c.in_bytes()), MPI_BYTE, c.out, count(c.in_bytes()), MPI_BYTE, comm_, &request), "MPI_Iallgather", desc);
         return wait(request, desc, until);
       case collective::all_to_all: {
-        agree(desc, until);
         if (c.in_count == 0) return;
         const int block = count(c.in_bytes() / static_cast<std::size_t>(size_));
         call(MPI_Ialltoall(c.in, block, MPI_BYTE, c.out, block, MPI_BYTE, comm_, &request), "MPI_Ialltoall", desc);
         return wait(request, desc, until);
       }
       case collective::barrier:
-        agree(desc, until);
         call(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", desc);
         return wait(request, desc, until);
       case collective::send: return send_bytes(c.in, c.in_bytes(), c.root, desc, until);
@@ -313,9 +307,8 @@ class mpi_backend {
   // headers and describe the first rank whose call differs from this one.
   void agree(const collective_desc& desc, deadline until) {
     if (!options_.check_collectives || size_ == 1) return;
-    const auto header = wire_header::encode(normalized(desc));
-    std::uint64_t h = 1469598103934665603ull;
-    for (unsigned char b : header.bytes) h = (h ^ b) * 1099511628211ull;
+    const auto header = wire_header::encode(desc.normalized());
+    const std::uint64_t h = header.fingerprint();
     std::uint64_t both[2] = {h, ~h};
     MPI_Request request;
     call(MPI_Iallreduce(MPI_IN_PLACE, both, 2, MPI_UINT64_T, MPI_MAX, comm_, &request), "MPI_Iallreduce", desc);
@@ -334,19 +327,7 @@ class mpi_backend {
                 desc.context(rank_));
   }
 
-  // Fields that do not matter for an op are cleared, so they never cause a false mismatch.
-  static collective_desc normalized(collective_desc d) {
-    if (!d.has_reduction()) d.reduction = reduce_kind::sum;
-    if (!d.has_root()) d.root = -1;
-    return d;
-  }
 
-  template <class T>
-  static collective_call record(collective op, std::span<const T> in, std::span<T> out, reduce_kind reduction = reduce_kind::sum,
-                                int root = -1) noexcept {
-    return {.op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
-            .out = out.data(), .out_count = out.size()};
-  }
 
   // Starts a nonblocking reduction of `in` into `out` (in place: the same buffer) in `type`.
   using start_reduction = detail::function_ref<int(const void* in, void* out, MPI_Datatype type, MPI_Request* request)>;

@@ -256,36 +256,36 @@ class nccl_backend {
   // --- with the group's fingerprint and deadline (the extended interface) --------------
   template <dtype_like T, any_reduce_op Op>
   void all_reduce(std::span<T> data, Op op, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::all_reduce, data, data, kind_of(op)), desc, until);
+    run(collective_call::of(collective::all_reduce, data, data, kind_of(op)), desc, until);
   }
   template <dtype_like T>
   void broadcast(std::span<T> data, int root, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::broadcast, data, data, reduce_kind::sum, root), desc, until);
+    run(collective_call::of(collective::broadcast, data, data, reduce_kind::sum, root), desc, until);
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce(std::span<T> data, int root, Op op, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::reduce, data, data, kind_of(op), root), desc, until);
+    run(collective_call::of(collective::reduce, data, data, kind_of(op), root), desc, until);
   }
   template <dtype_like T>
   void all_gather(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::all_gather, in, out), desc, until);
+    run(collective_call::of(collective::all_gather, in, out), desc, until);
   }
   template <dtype_like T, any_reduce_op Op>
   void reduce_scatter(std::span<const T> in, std::span<T> out, Op op, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::reduce_scatter, in, out, kind_of(op)), desc, until);
+    run(collective_call::of(collective::reduce_scatter, in, out, kind_of(op)), desc, until);
   }
   template <dtype_like T>
   void all_to_all(std::span<const T> in, std::span<T> out, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::all_to_all, in, out), desc, until);
+    run(collective_call::of(collective::all_to_all, in, out), desc, until);
   }
   void barrier(const collective_desc& desc, deadline until) { run(collective_call{.op = collective::barrier}, desc, until); }
   template <dtype_like T>
   void send(std::span<const T> data, int peer, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::send, data, std::span<T>(), reduce_kind::sum, peer), desc, until);
+    run(collective_call::of(collective::send, data, std::span<T>(), reduce_kind::sum, peer), desc, until);
   }
   template <dtype_like T>
   void recv(std::span<T> data, int peer, const collective_desc& desc, deadline until) {
-    run(record<T>(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), desc, until);
+    run(collective_call::of(collective::recv, std::span<const T>(), data, reduce_kind::sum, peer), desc, until);
   }
   template <dtype_like T>
   void send(std::span<const T> data, int peer) { send(data, peer, collective_desc{.op = collective::send, .type = dtype_of<T>, .count = data.size()}, default_deadline()); }
@@ -350,12 +350,6 @@ class nccl_backend {
   // Puts the operation on the backend's stream, given the device addresses of the operands.
   using enqueue_ref = detail::function_ref<ncclResult_t(void* const*)>;
 
-  template <class T>
-  static collective_call record(collective op, std::span<const T> in, std::span<T> out, reduce_kind reduction = reduce_kind::sum,
-                                int root = -1) noexcept {
-    return {.op = op, .type = dtype_of<T>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
-            .out = out.data(), .out_count = out.size()};
-  }
 
   template <class T>
   collective_desc next(collective op, std::size_t n, reduce_kind reduction = reduce_kind::sum, int root = -1) {
@@ -382,9 +376,7 @@ class nccl_backend {
   void run_checked(const collective_desc& desc, deadline until, operands ops, enqueue_ref enqueue) {
     const call_site site{.desc = &desc, .rank = rank_};
     if (options_.check_collectives && size_ > 1) {
-      const auto header = wire_header::encode(normalized(desc));
-      std::uint64_t h = 1469598103934665603ull;
-      for (unsigned char b : header.bytes) h = (h ^ b) * 1099511628211ull;
+      const std::uint64_t h = wire_header::encode(desc.normalized()).fingerprint();
       std::uint64_t agreed[2] = {h, ~h};
       run_unchecked(desc, until, {operand{agreed, agreed, sizeof agreed}}, [&](void* const* p) {
         return ncclAllReduce(p[0], p[0], 2, ncclUint64, ncclMax, comm_, stream_);
@@ -490,11 +482,6 @@ class nccl_backend {
     comm_ = nullptr;
   }
 
-  static collective_desc normalized(collective_desc d) {
-    if (!d.has_reduction()) d.reduction = reduce_kind::sum;
-    if (!d.has_root()) d.root = -1;
-    return d;
-  }
 
   int rank_ = 0;
   int size_ = 1;

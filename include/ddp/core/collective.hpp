@@ -9,8 +9,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
@@ -66,6 +68,15 @@ struct collective_desc {
 
   error_context context(int rank) const { return {.rank = rank, .op = std::string(to_string(op)), .seq = seq, .detail = detail()}; }
 
+  /// The same call with the fields that do not matter for its op cleared (reduction sum, root
+  /// -1), so that comparing fingerprints never finds a false mismatch.
+  constexpr collective_desc normalized() const noexcept {
+    collective_desc d = *this;
+    if (!d.has_reduction()) d.reduction = reduce_kind::sum;
+    if (!d.has_root()) d.root = -1;
+    return d;
+  }
+
   friend constexpr bool operator==(const collective_desc&, const collective_desc&) = default;
 };
 
@@ -83,6 +94,14 @@ struct collective_call {
   std::size_t in_count = 0;
   void* out = nullptr;
   std::size_t out_count = 0;
+
+  /// The record of a call on spans of `U` elements (in place: the same span as `in` and `out`).
+  template <class T, class U>
+  static constexpr collective_call of(collective op, std::span<T> in, std::span<U> out, reduce_kind reduction = reduce_kind::sum,
+                                      int root = -1) noexcept {
+    return {.op = op, .type = dtype_of<std::remove_cv_t<U>>, .reduction = reduction, .root = root, .in = in.data(), .in_count = in.size(),
+            .out = out.data(), .out_count = out.size()};
+  }
 
   std::size_t in_bytes() const noexcept { return in_count * size_of(type); }
   std::size_t out_bytes() const noexcept { return out_count * size_of(type); }
@@ -139,6 +158,13 @@ struct wire_header {
     put32(out + 28, 0);
   }
   bool has_magic() const noexcept { return get32(bytes + 0) == magic_value; }
+  /// FNV-1a of the 32 bytes: what backends that can only compare numbers agree on (NCCL, MPI:
+  /// MAX over {h, ~h} is {h, ~h} on every rank only if every rank's h is the same).
+  std::uint64_t fingerprint() const noexcept {
+    std::uint64_t h = 1469598103934665603ull;
+    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
+    return h;
+  }
   /// Whether the 32 bytes at p are exactly the wire form of d: four word compares, no decoding
   /// and no copy (the check of a peer's header on the latency path of a small collective).
   static bool matches(const unsigned char* p, const collective_desc& d) noexcept {
