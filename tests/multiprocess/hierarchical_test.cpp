@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -110,6 +111,18 @@ void sweep(int hosts, int per_host) {
       170s);
   INFO(result.describe());
   REQUIRE(result.ok());
+}
+
+// The first rank an error names after its own "ddp: rank R: " prefix (-1: none): the rank it
+// blames, as the kill campaign reads it. Every level of the hierarchy must name the backend's
+// ranks, not its own (a host's ranks 0..1, the leaders 0..h-1).
+int first_named_rank(const std::string& what) {
+  const auto prefix = what.find("ddp: rank ");
+  auto at = what.find(": ", prefix == std::string::npos ? 0 : prefix + 10);
+  for (at = what.find("rank ", at); at != std::string::npos; at = what.find("rank ", at + 1)) {
+    if (at + 5 < what.size() && std::isdigit(static_cast<unsigned char>(what[at + 5])) != 0) return std::atoi(what.c_str() + at + 5);
+  }
+  return -1;
 }
 
 // The bytes a rank sends over TCP in one float32 all_reduce of n elements.
@@ -284,12 +297,44 @@ TEST_CASE("hierarchical: a killed rank is peer_lost on every other rank within 2
                         e.what());
             check(e.code() == ddp::errc::peer_lost, e.what());
             check(took < 2s, "within 2 s, not at the 60 s deadline");
+            check(first_named_rank(e.what()) == victim, std::string("names the victim first: ") + e.what());
           }
           try {
             g.all_reduce(v);
             check(false, "a call after the failure succeeded");
           } catch (const ddp::error& e) {
             check(e.code() == ddp::errc::peer_lost, e.what());
+          }
+        },
+        60s);
+    INFO("victim " << victim << "\n" << result.describe());
+    REQUIRE(result.ok());
+  }
+}
+
+TEST_CASE("hierarchical: a rank that dies instead of allocating is named by every other rank") {
+  // The victim: a non-leader and a leader. Its host's ranks fail in allocate (shared memory);
+  // the other host's allocate succeeds and its ranks fail in the next all_reduce (the leaders).
+  for (int victim : {3, 2}) {
+    store_file file("allocate_death" + std::to_string(victim));
+    const auto host_of = hosts_of(2, 2);
+    const auto result = ddp::test::run_ranks(
+        4,
+        [&](int rank) {
+          ddp::process_group<ddp::ring_backend> g(make_backend(file.path, rank, host_of), {.timeout = 60s});
+          std::vector<float> v(1000, 1.0f);
+          g.all_reduce(v);  // every level is connected
+          if (rank == victim) ::_exit(0);
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            auto buffer = g.allocate<float>(100000);
+            for (int i = 0; i < 100; ++i) g.all_reduce(buffer);
+            check(false, "no error after a peer exited");
+          } catch (const ddp::error& e) {
+            std::printf("rank %d: %s\n", rank, e.what());
+            check(e.code() == ddp::errc::peer_lost, e.what());
+            check(std::chrono::steady_clock::now() - start < 2s, "within 2 s, not at the 60 s deadline");
+            check(first_named_rank(e.what()) == victim, std::string("names the victim first: ") + e.what());
           }
         },
         60s);

@@ -510,26 +510,59 @@ TEST_CASE("ring: ranks calling different ops, dtypes, counts or roots all fail w
 
 TEST_CASE("ring: a failure report names its root first, whatever path it travelled") {
   using ddp::algo::detail::failure_report;
+  const ddp::rank_numbering own_numbers;  // every rank by its own number
   // Rank 2 saw rank 1 die; rank 3 relayed it to rank 0.
   const failure_report seen{.root = 1, .chain = {2}, .cause = "peer rank 1 closed the connection"};
-  CHECK(seen.describe() == "peer rank 1 closed the connection");
+  CHECK(seen.describe(own_numbers) == "peer rank 1 closed the connection");
   auto relayed = failure_report::decode(seen.encode(), 2);
   CHECK(relayed.root == 1);
   relayed.chain.push_back(3);
-  CHECK(relayed.describe() == "peer rank 1 closed the connection; seen by rank 2");
+  CHECK(relayed.describe(own_numbers) == "peer rank 1 closed the connection; seen by rank 2");
   auto at_zero = failure_report::decode(relayed.encode(), 3);
   at_zero.chain.push_back(0);
-  CHECK(at_zero.describe() == "peer rank 1 closed the connection; seen by rank 2, relayed by rank 3");
+  CHECK(at_zero.describe(own_numbers) == "peer rank 1 closed the connection; seen by rank 2, relayed by rank 3");
   // A rank that failed by itself (a deadline, a mismatch) is the root of its own report.
   auto own = failure_report::decode(failure_report{.root = 2, .chain = {2}, .cause = "deadline expired"}.encode(), 2);
   own.chain.push_back(0);
-  CHECK(own.describe() == "rank 2 failed: deadline expired");
+  CHECK(own.describe(own_numbers) == "rank 2 failed: deadline expired");
   // A post of another form is the poster's own cause.
   auto plain = failure_report::decode("something broke", 3);
   CHECK(plain.root == 3);
   CHECK(plain.cause == "something broke");
   // Spaces in the cause survive.
   CHECK(failure_report::decode(seen.encode(), 2).cause == seen.cause);
+  // A part of a larger group (the hierarchy's leaders: ranks 0 and 2 of the backend) names the
+  // backend's ranks: leader 1 is rank 2.
+  const ddp::rank_numbering leaders(std::vector<int>{0, 2});
+  auto leader_failed = failure_report::decode(failure_report{.root = 1, .chain = {1}, .cause = "deadline expired"}.encode(), 1);
+  leader_failed.chain.push_back(0);
+  CHECK(leader_failed.describe(leaders) == "rank 2 failed: deadline expired");
+  // A leader that lost a rank of its host blames no leader: the cause names the rank.
+  auto host_rank_lost = failure_report::decode(failure_report{.root = -1, .chain = {1}, .cause = "peer rank 3 exited"}.encode(), 1);
+  host_rank_lost.chain.push_back(0);
+  CHECK(host_rank_lost.describe(leaders) == "peer rank 3 exited; seen by rank 2");
+}
+
+TEST_CASE("rank_numbering: a part of a topology keeps the numbers its ranks go by") {
+  std::vector<ddp::rank_place> places(6);
+  for (std::size_t r = 0; r < places.size(); ++r) places[r].identity = "host-" + std::to_string(r / 2);
+  const ddp::rank_topology world(4, places);
+  CHECK(world.numbering()(4) == 4);
+  CHECK(world.numbering().rank(5) == "rank 5");
+  // Host 2's ranks (4, 5) as a level of the hierarchy: its rank 1 is rank 5.
+  const std::vector<int> host2{4, 5};
+  const auto level = world.part(host2, 0);
+  CHECK(level.size() == 2);
+  CHECK(level.numbering()(0) == 4);
+  CHECK(level.numbering().rank(1) == "rank 5");
+  CHECK(level.numbering().list(std::vector<int>{1, 0}) == "5, 4");
+  // A part of a part: the leaders (0, 2, 4), then the last two of them.
+  const auto leads = world.part(std::vector<int>{0, 2, 4}, 2).part(std::vector<int>{1, 2}, 1);
+  CHECK(leads.numbering().list(std::vector<int>{0, 1}) == "2, 4");
+  // A sub-group of the user's (subset) numbers its ranks afresh.
+  CHECK(world.subset(host2, 0).numbering().rank(1) == "rank 1");
+  // Out of range: the number itself (a message must not fail).
+  CHECK(level.numbering()(7) == 7);
 }
 
 TEST_CASE("ring: when a rank aborts without posting, every rank names it first, not its neighbour") {

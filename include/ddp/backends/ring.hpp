@@ -285,7 +285,7 @@ class ring_backend {
   ring_buffer<T> allocate(std::size_t n) {
     if (s_->shm) return ring_buffer<T>(s_->shm->template allocate<T>(n, deadline::after(s_->options.timeout)));
     if (s_->hier && s_->hier->local() != nullptr)
-      return ring_buffer<T>(s_->hier->local()->template allocate<T>(n, deadline::after(s_->options.timeout)));
+      return ring_buffer<T>(s_->hier->template allocate<T>(n, deadline::after(s_->options.timeout)));
     return ring_buffer<T>(n);
   }
 
@@ -362,7 +362,7 @@ class ring_backend {
         // briefly, then yield the core (to the leader, when they share one) instead of spinning.
         auto so = s_->options.shm;
         so.wait.spin = std::min(so.wait.spin, so.wait.spin_oversubscribed);
-        const auto local_topology = s_->topology.subset(on, local_rank);
+        const auto local_topology = s_->topology.part(on, local_rank);
         local = std::make_unique<algo::shm_communicator>(*s_->store, hier + "host" + std::to_string(host) + "/", local_rank,
                                                          static_cast<int>(on.size()), setup, so, &local_topology);
       }
@@ -372,7 +372,7 @@ class ring_backend {
         lo.failure_prefix = hier + "leaders";
         std::vector<int> leader_ranks;
         for (int h = 0; h < layout->hosts; ++h) leader_ranks.push_back(layout->ranks_on(h).front());
-        const auto leaders_topology = s_->topology.subset(leader_ranks, host);
+        const auto leaders_topology = s_->topology.part(leader_ranks, host);
         leaders = std::make_unique<tcp_comm>(tcp_transport(*s_->store, host, layout->hosts, hier + "leaders", to, &leaders_topology), lo);
       }
       s_->hier = std::make_unique<hier_comm>(std::move(flat), std::move(local), std::move(leaders), *layout,

@@ -18,6 +18,7 @@
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/backends/ring/transport/pieces.hpp"
+#include "ddp/backends/ring/transport/rank_numbering.hpp"
 
 namespace ddp::algo {
 
@@ -81,11 +82,14 @@ struct header_check {
   wire_header mine;
   wire_header theirs;
   const collective_desc* desc;
+  const rank_numbering* names;  // how the transport's ranks go by in messages
   int rank;
   int peer = -1;
   bool pending = false;
 
-  header_check(const collective_desc& d, int my_rank) : mine(wire_header::encode(d)), desc(&d), rank(my_rank) {}
+  /// For a call of `d` on transport `t`.
+  template <class T>
+  header_check(const collective_desc& d, const T& t) : mine(wire_header::encode(d)), desc(&d), names(&numbering_of(t)), rank(t.rank()) {}
 
   send_piece out() const noexcept { return {reinterpret_cast<const std::byte*>(mine.bytes), wire_header::size}; }
   /// Arms the check for a header arriving from `from`.
@@ -101,7 +105,7 @@ struct header_check {
   void check() {
     if (!pending) return;
     pending = false;
-    check_header(theirs, *desc, rank, peer);
+    check_header(theirs, *desc, (*names)(rank), (*names)(peer));
   }
 };
 

@@ -16,14 +16,15 @@
 //
 // Failure: any error on any level (peer lost, timeout, mismatch) aborts all three levels on this
 // rank, so the failure travels: a dead rank is seen by its host's ranks through shared memory
-// (pid watch, ~10 ms), its leader aborts the leaders' mesh, the other leaders see EOF at once and
-// abort their hosts' shared memory. Every rank fails with the first error it saw, rethrown with
-// its global rank and a note saying on which level it happened (rank numbers inside the note's
-// message are that level's); later calls fail at once. Headers (sequence, collective, dtype,
-// count, reduction) are checked on both levels. A rank that calls a different collective from
-// its peers takes a different path (flat versus hierarchical), so it is not always told
-// "mismatch": it may instead reach the deadline (errc::timeout), as process_group's watchdog
-// enforces.
+// (its pid watch), its leader aborts the leaders' mesh, the other leaders see EOF at once and
+// abort their hosts' shared memory, quoting the cause to their host's ranks. Every rank fails
+// with the first error it saw, with a note saying on which level it happened; later calls fail
+// at once. Each level's ranks go by the backend's numbers in messages (its topology is a
+// rank_topology::part of the backend's), so every error names ranks the user knows. A failed
+// allocate() aborts every level as well. Headers (sequence, collective, dtype, count, reduction)
+// are checked on both levels. A rank that calls a different collective from its peers takes a
+// different path (flat versus hierarchical), so it is not always told "mismatch": it may instead
+// reach the deadline (errc::timeout), as process_group's watchdog enforces.
 // Not thread-safe: one collective at a time; abort() may be called from any thread.
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "ddp/backends/ring/exchange.hpp"
+#include "ddp/backends/ring/ring_communicator.hpp"
 #include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
@@ -109,12 +111,10 @@ class hierarchical_communicator {
       : flat_(std::move(flat)), local_(std::move(local)), leaders_(std::move(leaders)), layout_(std::move(layout)), o_(std::move(o)) {
     const int host = layout_.host_of[static_cast<std::size_t>(flat_->rank())];
     const auto on = layout_.ranks_on(host);
-    local_note_ = " [on the shared-memory level of host " + std::to_string(host) + ": its ranks 0.." + std::to_string(on.size() - 1) +
-                  " are global ranks " + list(on) + "]";
+    local_note_ = " [on the shared-memory level of host " + std::to_string(host) + ": ranks " + list(on) + "]";
     std::vector<int> leads;
     for (int h = 0; h < layout_.hosts; ++h) leads.push_back(layout_.ranks_on(h).front());
-    leader_note_ = " [on the inter-host level: its ranks 0.." + std::to_string(leads.size() - 1) + " are the hosts' leaders, global ranks " +
-                   list(leads) + "]";
+    leader_note_ = " [on the inter-host level: the hosts' leaders, ranks " + list(leads) + "]";
   }
   hierarchical_communicator(const hierarchical_communicator&) = delete;
   hierarchical_communicator& operator=(const hierarchical_communicator&) = delete;
@@ -141,7 +141,7 @@ class hierarchical_communicator {
     // avg combines as sum on both levels; the leaders divide once, by the world size.
     const bool average = kind_of(op) == reduce_kind::avg;
     const auto c = combining(op);
-    guard(d, [&] {
+    guard(&d, [&] {
       if (local_) level(local_note_, [&] { local_->reduce(data, 0, c, d, dl); });
       if (leaders_) {
         level(leader_note_, [&] { leaders_->all_reduce(data, c, d, dl); });
@@ -155,7 +155,7 @@ class hierarchical_communicator {
 
   template <movable_element E>
   void broadcast(std::span<E> data, int root, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->broadcast(data, root, d, dl); });
+    guard(&d, [&] { flat_->broadcast(data, root, d, dl); });
   }
   template <dtype_like E, builtin_reduce_op Op>
   void reduce(std::span<E> data, int root, Op, const collective_desc& d, deadline dl) {
@@ -164,11 +164,11 @@ class hierarchical_communicator {
   template <dtype_like E, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void reduce(std::span<E> data, int root, Op op, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->reduce(data, root, op, d, dl); });
+    guard(&d, [&] { flat_->reduce(data, root, op, d, dl); });
   }
   template <movable_element E>
   void all_gather(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->all_gather(in, out, d, dl); });
+    guard(&d, [&] { flat_->all_gather(in, out, d, dl); });
   }
   template <dtype_like E, builtin_reduce_op Op>
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op, const collective_desc& d, deadline dl) {
@@ -177,22 +177,31 @@ class hierarchical_communicator {
   template <dtype_like E, any_reduce_op Op>
     requires(!builtin_reduce_op<Op>)
   void reduce_scatter(std::span<const E> in, std::span<E> out, Op op, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->reduce_scatter(in, out, op, d, dl); });
+    guard(&d, [&] { flat_->reduce_scatter(in, out, op, d, dl); });
   }
   template <movable_element E>
   void all_to_all(std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->all_to_all(in, out, d, dl); });
+    guard(&d, [&] { flat_->all_to_all(in, out, d, dl); });
   }
   void barrier(const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->barrier(d, dl); });
+    guard(&d, [&] { flat_->barrier(d, dl); });
   }
   template <movable_element E>
   void send(std::span<const E> data, int peer, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->send(data, peer, d, dl); });
+    guard(&d, [&] { flat_->send(data, peer, d, dl); });
   }
   template <movable_element E>
   void recv(std::span<E> data, int peer, const collective_desc& d, deadline dl) {
-    guard(d, [&] { flat_->recv(data, peer, d, dl); });
+    guard(&d, [&] { flat_->recv(data, peer, d, dl); });
+  }
+
+  /// A buffer in this host's shared memory (shm_communicator::allocate; collective over the
+  /// host's ranks). Requires local() (a host with several ranks).
+  template <class T>
+  shared_buffer<T> allocate(std::size_t n, deadline dl) {
+    std::optional<shared_buffer<T>> out;
+    guard(nullptr, [&] { level(local_note_, [&] { out.emplace(local_->template allocate<T>(n, dl)); }); });
+    return std::move(*out);
   }
 
   /// Unblocks every waiter on every level (they fail with peer_lost); never blocks.
@@ -233,28 +242,37 @@ class hierarchical_communicator {
     }
   }
 
-  // One collective: the first error aborts every level, is kept, and is rethrown with this
-  // rank's global number; later calls fail at once. Not a template over the body: compiled
+  // One collective (or allocation, d null): the first error aborts every level, is kept, and is
+  // rethrown as the call's; later calls fail at once. Not a template over the body: compiled
   // once, not once per collective x element type.
-  void guard(const collective_desc& d, ddp::detail::function_ref<void()> body) {
+  void guard(const collective_desc* d, ddp::detail::function_ref<void()> body) {
     if (failed_) {
       throw error(failed_->first == errc::mismatch ? errc::mismatch : errc::peer_lost,
-                  "the communicator is unusable after an earlier failure: " + failed_->second, d.context(rank()));
+                  "the communicator is unusable after an earlier failure: " + failed_->second,
+                  d != nullptr ? d->context(rank()) : error_context{.rank = rank(), .op = "allocate"});
     }
     try {
       body();
     } catch (const error& e) {
       failed_.emplace(e.code(), e.message());
       if (leaders_ && o_.failure_store != nullptr) {
-        // Before the abort: the other leaders see EOF from this one and look for this post.
-        const std::string key = o_.leaders_failure_prefix + "/failure/" + std::to_string(leaders_->rank());
+        // Before the abort: the other leaders see EOF from this one and look for this post. A
+        // lost peer is named in the message (often a rank of this host, no leader), so the
+        // report blames no leader: the others quote the cause, seen by this leader.
+        const int me = leaders_->rank();
+        const detail::failure_report report{.root = e.code() == errc::peer_lost ? -1 : me, .chain = {me}, .cause = e.message()};
+        const std::string key = o_.leaders_failure_prefix + "/failure/" + std::to_string(me);
         try {
-          o_.failure_store->set_string(key, e.message());
+          o_.failure_store->set_string(key, report.encode());
         } catch (...) {  // a courtesy channel: its failure must not mask this one
         }
       }
-      abort();
-      throw error(e.code(), e.message(), d.context(rank()));
+      // Every level; this host's other ranks quote the cause (they would otherwise see only
+      // that this rank aborted their shared memory).
+      flat_->abort();
+      if (local_) local_->abort_relaying(e.message());
+      if (leaders_) leaders_->abort();
+      throw error(e.code(), e.message(), d != nullptr ? d->context(rank()) : e.context());
     }
   }
 

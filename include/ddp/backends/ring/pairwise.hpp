@@ -26,7 +26,7 @@ void pairwise_all_to_all(T& t, std::span<const E> in, std::span<E> out, const co
   const std::size_t b = in.size() / static_cast<std::size_t>(p);
   auto block = [&](int k) { return b * static_cast<std::size_t>(k); };
   std::copy_n(in.data() + block(r), b, out.data() + block(r));
-  header_check hdr(d, r);
+  header_check hdr(d, t);
   for (int k = 1; k < p; ++k) {
     const int to = mod(r + k, p), from = mod(r - k, p);
     const send_piece o[2] = {hdr.out(), bytes_of(in.data() + block(to), b)};
@@ -59,16 +59,17 @@ template <class T, movable_element E>
 void recv(T& t, std::span<E> data, int peer, const collective_desc& d, deadline dl) {
   const collective_desc mine = detail::p2p_desc(d);
   wire_header h;
-  const int r = t.rank();
+  const rank_numbering& names = numbering_of(t);
+  const int r = names(t.rank());
   auto check = [&] {
     if (!h.has_magic()) {
-      throw error(errc::mismatch, "rank " + std::to_string(peer) + " sent data that is not a ddp message header (garbage on the connection, or a different ddp version)",
+      throw error(errc::mismatch, names.rank(peer) + " sent data that is not a ddp message header (garbage on the connection, or a different ddp version)",
                   d.context(r));
     }
     const collective_desc theirs = h.decode();
     if (theirs.op != collective::send || theirs.type != mine.type || theirs.count != mine.count) {
-      throw error(errc::mismatch, "mismatched point-to-point calls: this rank called recv of " + mine.detail() + " from rank " +
-                                      std::to_string(peer) + ", which sent " + theirs.detail(),
+      throw error(errc::mismatch, "mismatched point-to-point calls: this rank called recv of " + mine.detail() + " from " +
+                                      names.rank(peer) + ", which sent " + theirs.detail(),
                   d.context(r));
     }
   };

@@ -113,7 +113,7 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
     first_send = partial[1];
   }
 
-  header_check hdr(d, r);
+  header_check hdr(d, t);
   struct pending_reduce {
     bool armed = false;
     int step = 0;
@@ -226,7 +226,7 @@ template <class T, movable_element E>
 void ring_all_gather(T& t, std::span<const E> in, std::span<E> out, const collective_desc& d, deadline dl,
                      const algo_options& o = {}) {
   std::copy(in.begin(), in.end(), out.begin() + static_cast<std::ptrdiff_t>(in.size() * static_cast<std::size_t>(t.rank())));
-  header_check hdr(d, t.rank());
+  header_check hdr(d, t);
   detail::all_gather_phase(t, out.data(), out.size(), &hdr, dl, o);
 }
 
@@ -266,7 +266,7 @@ void chain_broadcast(T& t, std::span<E> data, int root, const collective_desc& d
   const std::size_t n = data.size();
   const std::size_t nchunks = chunk_count(n, sizeof(E), o);
   auto chunk = [&](std::size_t c) { return std::pair{chunk_first(n, nchunks, c), chunk_first(n, nchunks, c + 1)}; };
-  header_check hdr(d, r);
+  header_check hdr(d, t);
   auto progress = [&](std::size_t bytes_in) { hdr.on_progress(bytes_in); };
   E* base = data.data();
   if (pos == 0) {

@@ -42,6 +42,7 @@
 #include "ddp/backends/ring/pairwise.hpp"
 #include "ddp/backends/ring/ring_algorithms.hpp"
 #include "ddp/backends/ring/small_message.hpp"
+#include "ddp/backends/ring/transport/rank_numbering.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
@@ -120,14 +121,14 @@ struct failure_report {
   }
 
   /// The message a rank shows: the root's cause first (the first rank it names is the root),
-  /// then who saw it and who passed it on.
-  std::string describe() const {
+  /// then who saw it and who passed it on; ranks as they go by in messages (`names`).
+  std::string describe(const rank_numbering& names) const {
     if (chain.empty()) return cause;
     const int seer = chain.front();
     if (chain.size() == 1) return cause;
-    std::string out = root == seer ? "rank " + std::to_string(seer) + " failed: " + cause : cause + "; seen by rank " + std::to_string(seer);
+    std::string out = root == seer ? names.rank(seer) + " failed: " + cause : cause + "; seen by " + names.rank(seer);
     // The last rank of the chain is the one describing it: the relays lie between.
-    for (std::size_t i = 1; i + 1 < chain.size(); ++i) out += (i == 1 ? ", relayed by rank " : ", then rank ") + std::to_string(chain[i]);
+    for (std::size_t i = 1; i + 1 < chain.size(); ++i) out += (i == 1 ? ", relayed by " : ", then ") + names.rank(chain[i]);
     return out;
   }
 };
@@ -151,6 +152,8 @@ class ring_communicator {
   }
 
   int rank() const { return t_.rank(); }
+  /// This rank's number in messages (the leaders' ring of the hierarchy names the backend's ranks).
+  int named() const noexcept { return numbering_of(t_)(t_.rank()); }
   int size() const { return t_.size(); }
   transport_type& transport() noexcept { return t_; }
   const transport_type& transport() const noexcept { return t_; }
@@ -265,10 +268,10 @@ class ring_communicator {
   // Not a template over the body: compiled once, not once per collective x element type.
   void run(const collective_desc& d, const deadline& dl, ddp::detail::function_ref<void()> body) {
     if (!failure_.empty()) {
-      throw error(errc::peer_lost, "the communicator is unusable after an earlier failure: " + failure_, d.context(rank()));
+      throw error(errc::peer_lost, "the communicator is unusable after an earlier failure: " + failure_, d.context(named()));
     }
     if (aborted_.load(std::memory_order_acquire)) {
-      throw error(errc::peer_lost, "the communicator was aborted", d.context(rank()));
+      throw error(errc::peer_lost, "the communicator was aborted", d.context(named()));
     }
     try {
       body();
@@ -285,11 +288,11 @@ class ring_communicator {
   [[noreturn]] void fail(const error& e, const collective_desc& d, const deadline& dl) {
     std::string message = e.message();
     if (o_.failure_store != nullptr && !aborted_.load(std::memory_order_acquire)) {
-      message = exchange_reports(e, std::clamp(dl.remaining(), store_bound_min, store_bound_max)).describe();
+      message = exchange_reports(e, std::clamp(dl.remaining(), store_bound_min, store_bound_max)).describe(numbering_of(t_));
     }
     failure_ = message;
     t_.abort();
-    throw error(e.code(), message, d.context(rank()));
+    throw error(e.code(), message, d.context(named()));
   }
 
   // What fail() and the thread that talks to the store share.

@@ -40,6 +40,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -116,6 +117,12 @@ class shm_communicator {
     group_.abort();
     p2p_.abort();
   }
+  /// abort() for a failure this rank saw elsewhere (another level of the hierarchy): the peers
+  /// quote `why`, so they name its cause rather than this rank.
+  void abort_relaying(std::string_view why) noexcept {
+    group_.abort(-1, 0, why);
+    p2p_.abort();
+  }
   /// abort(), naming a peer this rank sees dead as the cause: for a failure outside a
   /// collective (the rest of the set-up), so the peers name that peer, not this rank's exit.
   void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0)) noexcept {
@@ -158,7 +165,7 @@ class shm_communicator {
             if (const auto cause = group_.aborted() ? group_.failure() : std::nullopt) why = cause->second + " (and " + why + ")";
             else group_.abort(r, group_.pid_of(r));
           }
-          throw error(e.code(), why, {.rank = rank_, .op = "allocate"});
+          throw error(e.code(), why, {.rank = named(), .op = "allocate"});
         }
       }
       barrier_steps(d, dl);  // every rank has mapped every segment
@@ -305,7 +312,7 @@ class shm_communicator {
         p2p_.send(peer, std::as_bytes(std::span(h.bytes)), dl);
         p2p_.send(peer, std::as_bytes(data), dl);
       } catch (const error& e) {
-        throw e.with_context(d.context(rank_));
+        throw e.with_context(d.context(named()));
       }
     });
   }
@@ -319,21 +326,21 @@ class shm_communicator {
       try {
         p2p_.recv(peer, std::as_writable_bytes(std::span(h.bytes)), dl);
       } catch (const error& e) {
-        throw e.with_context(d.context(rank_));
+        throw e.with_context(d.context(named()));
       }
       if (!h.has_magic()) {
-        throw error(errc::mismatch, "rank " + std::to_string(peer) + " sent data that is not a ddp message header", d.context(rank_));
+        throw error(errc::mismatch, group_.numbering().rank(peer) + " sent data that is not a ddp message header", d.context(named()));
       }
       const auto theirs = h.decode();
       if (theirs.op != collective::send || theirs.type != d.type || theirs.count != d.count) {
-        throw error(errc::mismatch, "mismatched point-to-point calls: this rank called recv (" + d.detail() + ") from rank " +
-                                        std::to_string(peer) + ", rank " + std::to_string(peer) + " called " + theirs.describe(),
-                    d.context(rank_));
+        throw error(errc::mismatch, "mismatched point-to-point calls: this rank called recv (" + d.detail() + ") from " +
+                                        group_.numbering().rank(peer) + ", " + group_.numbering().rank(peer) + " called " + theirs.describe(),
+                    d.context(named()));
       }
       try {
         p2p_.recv(peer, std::as_writable_bytes(data), dl);
       } catch (const error& e) {
-        throw e.with_context(d.context(rank_));
+        throw e.with_context(d.context(named()));
       }
     });
   }
@@ -399,7 +406,7 @@ class shm_communicator {
   // compiled once, not once per collective x element type.
   void run(const collective_desc& d, ddp::detail::function_ref<void()> body, bool abort_on_any = false) {
     if (failed_) {
-      throw error(failed_->code(), "this communicator failed in an earlier call (" + failed_->message() + ") and cannot be used", d.context(rank_));
+      throw error(failed_->code(), "this communicator failed in an earlier call (" + failed_->message() + ") and cannot be used", d.context(named()));
     }
     // Allocations this call reads that are not its own buffer's (a peer passed memory of another
     // buffer) stay mapped until it returns, however the user's other threads free buffers
@@ -458,21 +465,20 @@ class shm_communicator {
   template <class Ready, class WaitsOn, class Why>
   void wait(Ready&& ready, WaitsOn&& waits_on, const collective_desc& d, deadline dl, Why&& why) {
     group_.wait(
-        ready, dl, [&](errc code, const std::string& message) { throw error(code, message + " (" + why() + ")", d.context(rank_)); },
+        ready, dl, [&](errc code, const std::string& message) { throw error(code, message + " (" + why() + ")", d.context(named())); },
         waits_on);
   }
 
   // "rank 2" or "ranks 1, 3": the peers for which pred holds.
   template <class Pred>
   std::string ranks_where(Pred&& pred) const {
-    std::string s;
-    int count = 0;
+    std::vector<int> peers;
     for (int r = 0; r < size_; ++r)
-      if (r != rank_ && pred(r)) {
-        s += (count++ == 0 ? "" : ", ") + std::to_string(r);
-      }
-    return (count == 1 ? "rank " : "ranks ") + s;
+      if (r != rank_ && pred(r)) peers.push_back(r);
+    return (peers.size() == 1 ? "rank " : "ranks ") + group_.numbering().list(peers);
   }
+  // This rank's number in messages (a host's shared memory in the hierarchy names the backend's ranks).
+  int named() const noexcept { return group_.numbering()(rank_); }
 
   // Waits for every peer's slot of call c, then checks every peer's header. `peer_bytes`: the
   // payload each peer sends with its header. Its lines after the header line are prefetched
@@ -500,12 +506,12 @@ class shm_communicator {
       if (j == rank_ || wire_header::matches(slot_of(j, c)->header, d)) continue;
       wire_header h;
       std::memcpy(h.bytes, slot_of(j, c)->header, wire_header::size);
-      check_header(h, d, rank_, j);
+      check_header(h, d, named(), group_.numbering()(j));
     }
     // A peer that gave up on this call (deadline, abort) may have published its slot first.
     if (group_.aborted()) {
       const auto why = group_.failure();
-      throw error(errc::peer_lost, why ? why->second : "the communicator was aborted", d.context(rank_));
+      throw error(errc::peer_lost, why ? why->second : "the communicator was aborted", d.context(named()));
     }
   }
 
@@ -513,7 +519,7 @@ class shm_communicator {
   void wait_counter(counter_index i, std::uint64_t v, int r, const collective_desc& d, deadline dl, const char* what) {
     if (r >= 0) {
       wait([&] { return counter(r, i).load(std::memory_order_acquire) >= v; }, [r](int q) { return q == r; }, d, dl,
-           [&] { return std::string("waiting for rank ") + std::to_string(r) + " to " + what; });
+           [&] { return "waiting for " + group_.numbering().rank(r) + " to " + what; });
       return;
     }
     int next = 0;
@@ -588,9 +594,9 @@ class shm_communicator {
       }
     }
     if (!hold || b.offset + bytes > hold->bytes) {
-      throw error(errc::invalid_argument, "rank " + std::to_string(r) + " passed memory of shared buffer #" + std::to_string(b.allocation) +
+      throw error(errc::invalid_argument, group_.numbering().rank(r) + " passed memory of shared buffer #" + std::to_string(b.allocation) +
                                               ", which this rank has already freed: free shared buffers on every rank together",
-                  {.rank = rank_});
+                  {.rank = named()});
     }
     return hold->base(r) + b.offset;
   }

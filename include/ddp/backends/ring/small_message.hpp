@@ -58,7 +58,7 @@ void direct_exchange(T& t, std::span<const E> data, direct_slots<E>& all, const 
       checked = true;
       wire_header theirs;
       std::memcpy(theirs.bytes, slot.data(), wire_header::size);
-      check_header(theirs, d, r, from);
+      check_header(theirs, d, numbering_of(t)(r), numbering_of(t)(from));
     };
     // A peer that sends a different amount must be caught by its header, not waited for: the
     // header is checked as soon as it is in (the transport reports progress before it waits).
@@ -109,7 +109,7 @@ void direct_reduce(T& t, std::span<E> data, int root, Op op, const collective_de
 template <class T>
 void dissemination_barrier(T& t, const collective_desc& d, deadline dl) {
   const int p = t.size(), r = t.rank();
-  header_check hdr(d, r);
+  header_check hdr(d, t);
   for (int k = 1; k < p; k *= 2) {
     const int to = mod(r + k, p), from = mod(r - k, p);
     const send_piece out[1] = {hdr.out()};

@@ -53,6 +53,8 @@ class shm_transport {
 
   int rank() const noexcept { return group_.rank(); }
   int size() const noexcept { return group_.size(); }
+  /// The numbers the ranks go by in messages (the group's).
+  const rank_numbering& numbering() const noexcept { return group_.numbering(); }
 
   void send(int peer, std::span<const std::byte> out, deadline dl) {
     check_peer(peer, "shm.send");
@@ -139,7 +141,7 @@ class shm_transport {
   void check_peer(int peer, const char* op) const {
     if (peer < 0 || peer >= size() || peer == rank()) {
       throw error(errc::invalid_argument, "peer " + std::to_string(peer) + " is not another rank of this group of " + std::to_string(size()),
-                  {.rank = rank(), .op = op});
+                  {.rank = group_.numbering()(rank()), .op = op});
     }
   }
 
@@ -151,7 +153,7 @@ class shm_transport {
       try {
         group_.populate(dst, ring_offset(src, dst, capacity_), ring_stride(capacity_));
       } catch (const error& e) {
-        throw error(e.code(), e.message(), {.rank = rank(), .op = op});
+        throw error(e.code(), e.message(), {.rank = group_.numbering()(rank()), .op = op});
       }
       done = static_cast<std::uint8_t>(done | bit);
     };
@@ -181,12 +183,12 @@ class shm_transport {
       group_.wait([&] { return (sent < out.size() && can_push(to)) || (got < in.size() && can_pull(from)); }, dl,
                   [&](errc code, const std::string& why) {
                     std::string what;
-                    if (sent < out.size()) what += "sent " + std::to_string(sent) + " of " + std::to_string(out.size()) + " bytes to rank " + std::to_string(to);
+                    if (sent < out.size()) what += "sent " + std::to_string(sent) + " of " + std::to_string(out.size()) + " bytes to " + group_.numbering().rank(to);
                     if (got < in.size()) {
                       if (!what.empty()) what += ", ";
-                      what += "received " + std::to_string(got) + " of " + std::to_string(in.size()) + " bytes from rank " + std::to_string(from);
+                      what += "received " + std::to_string(got) + " of " + std::to_string(in.size()) + " bytes from " + group_.numbering().rank(from);
                     }
-                    throw error(code, why + " (" + what + ")", {.rank = rank(), .op = op});
+                    throw error(code, why + " (" + what + ")", {.rank = group_.numbering()(rank()), .op = op});
                   },
                   [&](int r) { return (sent < out.size() && r == to) || (got < in.size() && r == from); });
     }

@@ -28,6 +28,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -71,7 +72,8 @@ class shm_group {
   shm_group(ddp::store::store& st, const std::string& prefix, const std::string& tag, int rank, int size,
             std::size_t payload_bytes, deadline dl, shm_wait_policy policy = {}, std::size_t reserved_payload = SIZE_MAX,
             const rank_topology* topology = nullptr)
-      : rank_(rank), size_(size), policy_(policy), payload_bytes_(round_up(payload_bytes, 4096)) {
+      : rank_(rank), size_(size), policy_(policy), payload_bytes_(round_up(payload_bytes, 4096)),
+        numbering_(topology != nullptr ? topology->numbering() : rank_numbering()) {
     if (size < 1 || rank < 0 || rank >= size) {
       throw error(errc::invalid_argument, "shm group: rank " + std::to_string(rank) + " of size " + std::to_string(size) + " is out of range");
     }
@@ -84,7 +86,7 @@ class shm_group {
     } catch (const error& e) {
       if (e.rank() >= 0) throw;
       auto c = e.context();  // the reporting rank, so that its line says who it is
-      c.rank = rank;
+      c.rank = numbering_(rank);
       throw e.with_context(std::move(c));
     }
   }
@@ -97,7 +99,7 @@ class shm_group {
     if (topology != nullptr) {
       for (int r = 0; r < size; ++r) {
         if (!topology->shares_host_with(r)) {
-          throw error(errc::config, "rank " + std::to_string(r) + " runs on host '" + topology->of(r).hostname() + "', this rank on '" +
+          throw error(errc::config, numbering_.rank(r) + " runs on host '" + topology->of(r).hostname() + "', this rank on '" +
                                         topology->mine().hostname() + "': shared memory needs every rank of the group on one host");
         }
       }
@@ -141,23 +143,23 @@ class shm_group {
       long long peer_pid = 0;
       int peer_fd = -1, host_at = 0;
       if (std::sscanf(value.c_str(), "%lld %d %n", &peer_pid, &peer_fd, &host_at) < 2 || host_at <= 0) {
-        throw error(errc::internal, "shm group: rank " + std::to_string(r) + " published '" + value + "', not '<pid> <fd> [<host>]'");
+        throw error(errc::internal, "shm group: " + numbering_.rank(r) + " published '" + value + "', not '<pid> <fd> [<host>]'");
       }
       const std::string peer_host = value.substr(static_cast<std::size_t>(host_at));
       if (topology == nullptr && peer_host != host) {
-        throw error(errc::config, "rank " + std::to_string(r) + " runs on host '" + peer_host + "', this rank on '" + host +
+        throw error(errc::config, numbering_.rank(r) + " runs on host '" + peer_host + "', this rank on '" + host +
                                       "': shared memory needs every rank of the group on one host");
       }
       auto& seg = segments_[static_cast<std::size_t>(r)];
       try {
-        seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer rank " + std::to_string(r));
+        seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer " + numbering_.rank(r));
       } catch (const error& e) {
         if (e.code() != errc::peer_lost) throw;
         peer_exited(st, e.message());
       }
       const auto* id = identity_of(seg.data());
       if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
-        throw error(errc::internal, "shared-memory segment " + seg.name() + " does not belong to rank " + std::to_string(r));
+        throw error(errc::internal, "shared-memory segment " + seg.name() + " does not belong to " + numbering_.rank(r));
       }
       pids_[static_cast<std::size_t>(r)] = id->pid;
       watch_.add(r, id->pid);
@@ -178,6 +180,9 @@ class shm_group {
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
+  /// The numbers the ranks go by in messages (the topology's: a host's shared memory in the
+  /// hierarchy names the backend's ranks).
+  const rank_numbering& numbering() const noexcept { return numbering_; }
   pid_t pid_of(int r) const noexcept { return pids_[static_cast<std::size_t>(r)]; }
   bool oversubscribed() const noexcept { return oversubscribed_; }
   /// "ddp-<prefix>-<job>-<tag>": labels of further segments of this group start with it.
@@ -194,10 +199,10 @@ class shm_group {
   shm_segment open_offer(int r, std::uint32_t seq, std::size_t bytes, const std::string& what) const {
     const std::uint64_t word = identity_of(segments_[static_cast<std::size_t>(r)].data())->offer.load(std::memory_order_acquire);
     if (static_cast<std::uint32_t>(word >> 32) != seq) {
-      throw error(errc::internal, "rank " + std::to_string(r) + " offered segment " + std::to_string(word >> 32) + " for " + what +
+      throw error(errc::internal, numbering_.rank(r) + " offered segment " + std::to_string(word >> 32) + " for " + what +
                                       ", expected " + std::to_string(seq));
     }
-    return shm_segment::open(pid_of(r), static_cast<int>(static_cast<std::uint32_t>(word)), bytes, "peer rank " + std::to_string(r));
+    return shm_segment::open(pid_of(r), static_cast<int>(static_cast<std::uint32_t>(word)), bytes, "peer " + numbering_.rank(r));
   }
 
   /// Backs [offset, offset + bytes) of rank r's payload with memory now (see shm_segment::populate).
@@ -225,12 +230,17 @@ class shm_group {
   bool aborted() const noexcept { return job_->aborted.load(std::memory_order_relaxed) != 0; }
 
   /// Marks the whole group aborted (every rank's waiters fail with errc::peer_lost) and wakes them.
-  /// `cause` is a dead peer this rank noticed, so the others can name it.
-  void abort(int cause_rank = -1, pid_t cause_pid = 0) noexcept {
+  /// `cause` is a dead peer this rank noticed, so the others can name it; `why`, without one, is
+  /// a failure this rank saw elsewhere (the hierarchy's other levels), which the others quote.
+  void abort(int cause_rank = -1, pid_t cause_pid = 0, std::string_view why = {}) noexcept {
     if (job_ == nullptr) return;
     std::uint32_t expected = 0;
     const std::uint32_t word = static_cast<std::uint32_t>(rank_ + 1) | (static_cast<std::uint32_t>(cause_rank + 1) << 16);
     if (job_->claim.compare_exchange_strong(expected, 1)) {
+      auto* note = note_of(segments_[0].data());
+      const std::size_t n = std::min(why.size(), sizeof note->text);
+      std::memcpy(note->text, why.data(), n);
+      note->length = static_cast<std::uint32_t>(n);  // published by the release below
       job_->cause_pid.store(cause_pid, std::memory_order_relaxed);
       job_->aborted.store(word, std::memory_order_release);
     }
@@ -260,14 +270,17 @@ class shm_group {
       const int by = static_cast<int>(word & 0xffffu) - 1;
       const int cause = static_cast<int>(word >> 16) - 1;
       if (cause >= 0) {
-        return std::pair{errc::peer_lost, "peer rank " + std::to_string(cause) + " (pid " + std::to_string(job_->cause_pid.load()) +
-                                              ") exited (noticed by rank " + std::to_string(by) + ")"};
+        return std::pair{errc::peer_lost, "peer " + numbering_.rank(cause) + " (pid " + std::to_string(job_->cause_pid.load()) +
+                                              ") exited (noticed by " + numbering_.rank(by) + ")"};
       }
-      if (by == rank_) return std::pair{errc::peer_lost, "the communicator was aborted on this rank"};
-      return std::pair{errc::peer_lost, "peer rank " + std::to_string(by) + " (pid " + std::to_string(pid_of(by)) + ") aborted the communicator"};
+      const auto* note = note_of(segments_[0].data());
+      const std::string why(note->text, std::min<std::size_t>(note->length, sizeof note->text));
+      if (by == rank_) return std::pair{errc::peer_lost, why.empty() ? std::string("the communicator was aborted on this rank") : why};
+      if (!why.empty()) return std::pair{errc::peer_lost, why + "; relayed by " + numbering_.rank(by) + " (pid " + std::to_string(pid_of(by)) + ")"};
+      return std::pair{errc::peer_lost, "peer " + numbering_.rank(by) + " (pid " + std::to_string(pid_of(by)) + ") aborted the communicator"};
     }
     if (auto dead = watch_.first_dead(waits_on)) {
-      return std::pair{errc::peer_lost, "peer rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) + ") exited"};
+      return std::pair{errc::peer_lost, "peer " + numbering_.rank(dead->rank) + " (pid " + std::to_string(dead->pid) + ") exited"};
     }
     return std::nullopt;
   }
@@ -357,6 +370,15 @@ class shm_group {
     std::atomic<std::int32_t> cause_pid;
   };
   static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+  // Why the group was aborted, when the aborting rank saw the failure elsewhere: in rank 0's
+  // header page, written by the abort's winner before it publishes the abort.
+  struct abort_note {
+    std::uint32_t length;
+    char text[1020];
+  };
+  static constexpr std::size_t note_offset = 2048;
+  static_assert(note_offset >= 2 * cache_line && note_offset + sizeof(abort_note) <= header_bytes);
+  static abort_note* note_of(std::byte* segment) noexcept { return reinterpret_cast<abort_note*>(segment + note_offset); }
 
   static identity* identity_of(std::byte* segment) noexcept { return reinterpret_cast<identity*>(segment); }
 
@@ -412,9 +434,9 @@ class shm_group {
       looked = true;
     };
     auto who = [&] {
-      std::string names;
-      for (const auto i : missing) names += (names.empty() ? "" : ", ") + std::to_string(owners[i]);
-      return (missing.size() == 1 ? "rank " : "rank(s) ") + names;
+      std::vector<int> ranks;
+      for (const auto i : missing) ranks.push_back(owners[i]);
+      return (missing.size() == 1 ? "rank " : "rank(s) ") + numbering_.list(ranks);
     };
     auto not_done = [&] {
       return who() + " did not " + what + " within " + std::to_string(total.count()) + " ms (shared-memory setup): " + who() +
@@ -437,7 +459,7 @@ class shm_group {
         if (e.code() != errc::timeout) throw error(e.code(), "shared-memory setup: " + e.message(), e.context());
       }
       if (const auto dead = watch_.first_dead()) {
-        peer_exited(st, "rank " + std::to_string(dead->rank) + " (pid " + std::to_string(dead->pid) +
+        peer_exited(st, numbering_.rank(dead->rank) + " (pid " + std::to_string(dead->pid) +
                             ") exited during shared-memory setup, while this rank waited for it to " + what);
       }
       if (dl.expired()) {
@@ -473,6 +495,7 @@ class shm_group {
   int size_;
   shm_wait_policy policy_;
   std::size_t payload_bytes_;
+  rank_numbering numbering_;
   bool oversubscribed_ = false;
   bool asymmetric_ = false;  // see notify()
   std::string base_;

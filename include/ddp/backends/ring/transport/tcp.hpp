@@ -287,6 +287,7 @@ class tcp_transport {
     }
     s_->rank = rank;
     s_->size = size;
+    if (topology != nullptr) s_->numbering = topology->numbering();
     s_->peers = std::vector<peer_link>(static_cast<std::size_t>(size));
     s_->wake = detail::tcp::unique_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!s_->wake) throw error(errc::internal, system_message("eventfd"));
@@ -294,7 +295,7 @@ class tcp_transport {
       try {
         connect_mesh(store, prefix, opts, topology);
       } catch (const error& e) {
-        if (e.code() == errc::peer_lost || e.code() == errc::timeout) throw_store_trouble(store, rank, &e);
+        if (e.code() == errc::peer_lost || e.code() == errc::timeout) throw_store_trouble(store, s_->numbering(rank), &e);
         throw;
       }
     }
@@ -304,6 +305,9 @@ class tcp_transport {
   ~tcp_transport() = default;  // unique_fds close every socket and the eventfd
 
   int rank() const noexcept { return s_->rank; }
+  /// The numbers the ranks go by in messages (the topology's: a level of the hierarchy names the
+  /// backend's ranks).
+  const rank_numbering& numbering() const noexcept { return s_->numbering; }
   int size() const noexcept { return s_->size; }
   /// "host:port" this rank listened on while the mesh was built.
   const std::string& address() const noexcept { return s_->address; }
@@ -400,7 +404,7 @@ class tcp_transport {
       }
       p[n++] = {s_->wake.get(), POLLIN, 0};
       const int rc = ::poll(p, n, dl.poll_timeout_ms());
-      if (rc == 0) throw error(errc::timeout, timeout_message(to, oc, from, ic), {.rank = s_->rank});
+      if (rc == 0) throw error(errc::timeout, timeout_message(to, oc, from, ic), {.rank = s_->numbering(s_->rank)});
       if (rc < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
     }
   }
@@ -449,12 +453,14 @@ class tcp_transport {
     std::atomic<int> lost_peer{-1};
     std::string address;
     detail::tcp::spin_policy spin;
+    rank_numbering numbering;
   };
 
   int fd_of(int peer) const {
     if (peer < 0 || peer >= s_->size || peer == s_->rank) {
       throw error(errc::invalid_argument, "tcp_transport: rank " + std::to_string(peer) + " is not a peer of rank " +
-                                              std::to_string(s_->rank) + " in a group of size " + std::to_string(s_->size));
+                                              std::to_string(s_->rank) + " in a group of size " + std::to_string(s_->size),
+                  {.rank = s_->numbering(s_->rank)});
     }
     const int fd = s_->peers[static_cast<std::size_t>(peer)].fd.get();
     if (fd < 0) throw aborted_error();
@@ -462,27 +468,27 @@ class tcp_transport {
   }
 
   error aborted_error() const {
-    return error(errc::peer_lost, "the transport was aborted (abort() on this rank, after an error or a deadline)", {.rank = s_->rank});
+    return error(errc::peer_lost, "the transport was aborted (abort() on this rank, after an error or a deadline)", {.rank = s_->numbering(s_->rank)});
   }
 
   [[noreturn]] void lost(int peer, int err) {
     if (s_->aborted.load(std::memory_order_acquire)) throw aborted_error();
     s_->lost_peer.store(peer, std::memory_order_relaxed);
-    const std::string who = "peer rank " + std::to_string(peer);
-    if (err == 0 || err == EPIPE) throw error(errc::peer_lost, who + " closed the connection", {.rank = s_->rank});
-    if (err == ECONNRESET) throw error(errc::peer_lost, who + " reset the connection (it exited or aborted)", {.rank = s_->rank, .backend_code = err});
-    throw error(errc::peer_lost, system_message("connection to " + who, err), {.rank = s_->rank, .backend_code = err});
+    const std::string who = "peer " + s_->numbering.rank(peer);
+    if (err == 0 || err == EPIPE) throw error(errc::peer_lost, who + " closed the connection", {.rank = s_->numbering(s_->rank)});
+    if (err == ECONNRESET) throw error(errc::peer_lost, who + " reset the connection (it exited or aborted)", {.rank = s_->numbering(s_->rank), .backend_code = err});
+    throw error(errc::peer_lost, system_message("connection to " + who, err), {.rank = s_->numbering(s_->rank), .backend_code = err});
   }
 
   template <class O, class I>
   std::string timeout_message(int to, const O& oc, int from, const I& ic) const {
     std::string s = "deadline expired";
-    if (oc.total > 0) s += ": sent " + std::to_string(oc.done_bytes) + " of " + std::to_string(oc.total) + " bytes to rank " + std::to_string(to);
+    if (oc.total > 0) s += ": sent " + std::to_string(oc.done_bytes) + " of " + std::to_string(oc.total) + " bytes to " + s_->numbering.rank(to);
     if (ic.total > 0) {
       s += oc.total > 0 ? ", " : ": ";
-      s += "received " + std::to_string(ic.done_bytes) + " of " + std::to_string(ic.total) + " bytes from rank " + std::to_string(from);
+      s += "received " + std::to_string(ic.done_bytes) + " of " + std::to_string(ic.total) + " bytes from " + s_->numbering.rank(from);
     }
-    if (!ic.done()) s += " (rank " + std::to_string(from) + " has not sent its part: not arrived at this call, or stalled)";
+    if (!ic.done()) s += " (" + s_->numbering.rank(from) + " has not sent its part: not arrived at this call, or stalled)";
     return s;
   }
 
@@ -510,7 +516,7 @@ class tcp_transport {
         if (auto address = local_address_towards(master); !address.empty()) return address;
       }
       throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
-                                "this host's address on the network the ranks share", {.rank = s_->rank});
+                                "this host's address on the network the ranks share", {.rank = s_->numbering(s_->rank)});
     }
     return "127.0.0.1";
   }
@@ -544,8 +550,7 @@ class tcp_transport {
       looked = true;
     };
     auto not_done = [&] {
-      std::string names;
-      for (const auto r : missing) names += (names.empty() ? "" : ", ") + std::to_string(r);
+      const std::string names = s_->numbering.list(missing);
       return "timed out building the tcp mesh: rank(s) " + names + " did not " + what + " within " + std::to_string(timeout.count()) +
              " ms: exited, hung, or never started (or a different store / prefix)?";
     };
@@ -555,17 +560,17 @@ class tcp_transport {
         return;
       } catch (const error& e) {
         if (e.code() == errc::store && looked && !missing.empty() && store_gone_at_deadline(dl, timeout)) {
-          throw error(errc::timeout, not_done() + " (then: " + e.message() + ")", {.rank = s_->rank});
+          throw error(errc::timeout, not_done() + " (then: " + e.message() + ")", {.rank = s_->numbering(s_->rank)});
         }
         if (e.code() != errc::timeout) {
           auto c = e.context();
-          c.rank = s_->rank;
+          c.rank = s_->numbering(s_->rank);
           throw e.with_context(std::move(c));
         }
       }
       look();
       if (missing.empty()) return;
-      if (dl.expired()) throw error(errc::timeout, not_done(), {.rank = s_->rank});
+      if (dl.expired()) throw error(errc::timeout, not_done(), {.rank = s_->numbering(s_->rank)});
     }
   }
 
@@ -587,6 +592,8 @@ class tcp_transport {
   void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const rank_topology* topology) {
     const deadline dl = deadline::after(opts.timeout);
     const int rank = s_->rank, size = s_->size;
+    const int named = s_->numbering(rank);  // this rank's number in messages
+    const auto& numbering = s_->numbering;
     const std::uint64_t prefix_hash = detail::tcp::fnv1a(prefix);
     const auto spin = detail::tcp::wanted_spin(opts.spin);  // a bad DDP_TCP_SPIN_US fails before any waiting
     // The ranks on this host decide the listen address (when none is given) and whether waits
@@ -619,16 +626,16 @@ class tcp_transport {
       try {
         store.wait({key(r)}, dl.remaining());
       } catch (const error& e) {
-        const std::string late = "timed out building the tcp mesh: rank " + std::to_string(r) + " did not publish an address within " +
-                                 std::to_string(opts.timeout.count()) + " ms: rank " + std::to_string(r) + " exited, hung, or never started?";
-        if (e.code() == errc::store && store_gone_at_deadline(dl, opts.timeout)) throw error(errc::timeout, late + " (then: " + e.message() + ")", {.rank = rank});
+        const std::string late = "timed out building the tcp mesh: " + numbering.rank(r) + " did not publish an address within " +
+                                 std::to_string(opts.timeout.count()) + " ms: " + numbering.rank(r) + " exited, hung, or never started?";
+        if (e.code() == errc::store && store_gone_at_deadline(dl, opts.timeout)) throw error(errc::timeout, late + " (then: " + e.message() + ")", {.rank = named});
         if (e.code() != errc::timeout) throw;
-        throw error(errc::timeout, late, {.rank = rank});
+        throw error(errc::timeout, late, {.rank = named});
       }
       const std::string v = store.get_string(key(r));
       const auto space = v.find(' ');
       if (space == std::string::npos || !detail::tcp::from_hex(std::string_view(v).substr(space + 1), n)) {
-        throw error(errc::store, "store key '" + key(r) + "' does not hold a ddp tcp address ('" + v + "')", {.rank = rank});
+        throw error(errc::store, "store key '" + key(r) + "' does not hold a ddp tcp address ('" + v + "')", {.rank = named});
       }
       addr = detail::tcp::parse_host_port(std::string_view(v).substr(0, space));
     };
@@ -639,18 +646,18 @@ class tcp_transport {
       detail::tcp::host_port addr;
       detail::tcp::nonce theirs{};
       published(j, addr, theirs);
-      const std::string who = "rank " + std::to_string(j) + " at " + addr.str();
+      const std::string who = numbering.rank(j) + " at " + addr.str();
       detail::tcp::unique_fd fd;
       while (!fd) {  // in slices: between them, the store may already know that rank j died
         try {
           fd = detail::tcp::connect_before(addr, deadline::after(std::min(dl.remaining(), departure_check_every)));
         } catch (const error& e) {  // it published its address, so it was listening: it has gone since
           if (e.code() != errc::timeout || dl.expired()) {
-            throw error(e.code(), who + " published its address but could not be reached: " + e.message() + ": rank " +
-                                      std::to_string(j) + " exited or hung?",
-                        {.rank = rank});
+            throw error(e.code(), who + " published its address but could not be reached: " + e.message() + ": " +
+                                      numbering.rank(j) + " exited or hung?",
+                        {.rank = named});
           }
-          throw_store_trouble(store, rank);
+          throw_store_trouble(store, named);
         }
       }
       const auto out = detail::tcp::hello{1, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), theirs, prefix_hash}.encode();
@@ -660,10 +667,10 @@ class tcp_transport {
       detail::tcp::hello h;
       if (!detail::tcp::hello::decode(in, h) || h.kind != 2 || h.rank != static_cast<std::uint32_t>(j) || h.token != my_nonce ||
           h.prefix_hash != prefix_hash) {
-        throw error(errc::config, who + " did not answer as a rank of this job (another program on that port?)", {.rank = rank});
+        throw error(errc::config, who + " did not answer as a rank of this job (another program on that port?)", {.rank = named});
       }
       if (h.size != static_cast<std::uint32_t>(size)) {
-        throw error(errc::config, who + " believes the world size is " + std::to_string(h.size) + ", this rank " + std::to_string(size), {.rank = rank});
+        throw error(errc::config, who + " believes the world size is " + std::to_string(h.size) + ", this rank " + std::to_string(size), {.rank = named});
       }
       detail::tcp::tune_data_socket(fd.get(), opts.socket_buffer_bytes);
       s_->peers[static_cast<std::size_t>(j)].fd = std::move(fd);
@@ -688,16 +695,17 @@ class tcp_transport {
       const int rc = ::poll(p.data(), p.size(), left_ms < 0 ? slice_ms : std::min(left_ms, slice_ms));
       if (rc < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
       if (rc == 0 && !dl.expired()) {
-        throw_store_trouble(store, rank);
+        throw_store_trouble(store, named);
         continue;
       }
       if (rc == 0 || dl.expired()) {
-        std::string who;
+        std::vector<int> absent;
         for (int r = rank + 1; r < size; ++r)
-          if (!s_->peers[static_cast<std::size_t>(r)].fd) who += (who.empty() ? "" : ", ") + std::to_string(r);
+          if (!s_->peers[static_cast<std::size_t>(r)].fd) absent.push_back(r);
+        const std::string who = numbering.list(absent);
         throw error(errc::timeout, "timed out building the tcp mesh: no connection from rank(s) " + who + " to " + me.str() +
                                        " within " + std::to_string(opts.timeout.count()) + " ms",
-                    {.rank = rank});
+                    {.rank = named});
       }
       // Read the hellos that arrived; p[i + 1] is waiting[i].
       for (std::size_t i = 0; i < waiting.size(); ++i) {
@@ -720,14 +728,14 @@ class tcp_transport {
           continue;
         }
         if (h.size != static_cast<std::uint32_t>(size)) {
-          throw error(errc::config, "rank " + std::to_string(h.rank) + " believes the world size is " + std::to_string(h.size) +
-                                        ", this rank " + std::to_string(size), {.rank = rank});
+          throw error(errc::config, numbering.rank(static_cast<int>(h.rank)) + " believes the world size is " + std::to_string(h.size) +
+                                        ", this rank " + std::to_string(size), {.rank = named});
         }
         detail::tcp::host_port addr;
         detail::tcp::nonce theirs{};
         published(static_cast<int>(h.rank), addr, theirs);
         const auto out = detail::tcp::hello{2, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), theirs, prefix_hash}.encode();
-        detail::tcp::write_all(w.fd.get(), out.data(), out.size(), dl, "rank " + std::to_string(h.rank));
+        detail::tcp::write_all(w.fd.get(), out.data(), out.size(), dl, numbering.rank(static_cast<int>(h.rank)));
         detail::tcp::tune_data_socket(w.fd.get(), opts.socket_buffer_bytes);
         s_->peers[h.rank].fd = std::move(w.fd);
         --missing;

@@ -8,6 +8,8 @@
 // core, Intel MPI's pinning) leaves each process one CPU, yet the ranks of a host do not share
 // one: whether they outnumber their CPUs is a question about all of them together. A transport
 // built on its own (without a backend) exchanges one itself, the same way.
+// A level of the ring backend's hierarchy (a host's shared memory, the hosts' leaders) gets a
+// part() of the backend's topology, which carries the numbers its ranks go by in messages.
 
 #include <sched.h>
 #include <sys/types.h>
@@ -18,8 +20,10 @@
 #include <cstdlib>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "ddp/backends/ring/transport/rank_numbering.hpp"
 #include "ddp/core/cpus.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
@@ -113,6 +117,18 @@ class rank_topology {
     for (int r : members) sub.push_back(of(r));
     return rank_topology(new_rank, std::move(sub));
   }
+  /// The topology of a part of this group that works on its behalf (a level of the hierarchy):
+  /// as subset(), but its ranks keep the numbers they go by here in messages.
+  rank_topology part(std::span<const int> members, int new_rank) const {
+    auto sub = subset(members, new_rank);
+    std::vector<int> numbers;
+    numbers.reserve(members.size());
+    for (int r : members) numbers.push_back(numbering_(r));
+    sub.numbering_ = rank_numbering(std::move(numbers));
+    return sub;
+  }
+  /// The numbers this group's ranks go by in messages.
+  const rank_numbering& numbering() const noexcept { return numbering_; }
 
   /// Every rank publishes its place under <key_prefix><rank> and reads everyone's. Collective.
   /// `layout_identity` empty: the real identity; `note` travels as it is (no newline).
@@ -184,6 +200,7 @@ class rank_topology {
 
   int rank_ = 0;
   std::vector<rank_place> places_;
+  rank_numbering numbering_;
 };
 
 }  // namespace ddp
