@@ -9,8 +9,10 @@
 // Every all_reduce's result is checked against its closed form. A failure is one line on stderr,
 //   fault_worker rank=R pid=P error: <what()>   (exit 1)
 //   fault_worker rank=R pid=P wrong result: ...  (exit 3)
-// Options: --transport shm|tcp (shm: backend "ring", which uses shared memory when every rank
-// is on this host; tcp: backend "tcp", TCP between local ranks too), --steps N, --count N (floats
+// Options: --transport shm|tcp|hier (shm: backend "ring", which uses shared memory when every
+// rank is on this host; tcp: backend "tcp", TCP between local ranks too; hier: the ring backend's
+// hierarchy, with ranks 2h and 2h+1 posing as host h (ring_options::host_identity): shared memory
+// within a host, TCP between the hosts' leaders, registered as backend "hier"), --steps N, --count N (floats
 // per all_reduce), --prefix P (store key prefix; it is part of the shared-memory segment names,
 // which lets the campaign tell this job's segments from others').
 #include <unistd.h>
@@ -58,6 +60,18 @@ void check(std::span<const float> data, int world, int step, const char* what) {
   }
 }
 
+// Backend "hier": the ring backend as init_process_group builds it, except that ranks 2h and
+// 2h+1 pose as host h and the hierarchy is forced, so that one machine runs the two-level path
+// (each host's shared memory, the leaders' TCP ring) and its failures.
+ddp::group make_hierarchical(const ddp::backend_context& c) {
+  ddp::ring_options o;
+  o.prefix = c.prefix;
+  o.timeout = c.options.init_timeout;
+  o.hierarchy = ddp::ring_options::hierarchy_kind::hierarchical;
+  o.host_identity = "fault-host-" + std::to_string(c.rank / 2);
+  return ddp::group(ddp::process_group<ddp::ring_backend>(ddp::ring_backend(c.store, c.rank, c.world_size, o), {.timeout = c.options.timeout}));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,16 +96,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (transport != "shm" && transport != "tcp") {
-    std::fprintf(stderr, "fault_worker: --transport %s: expected shm or tcp\n", transport.c_str());
+  if (transport != "shm" && transport != "tcp" && transport != "hier") {
+    std::fprintf(stderr, "fault_worker: --transport %s: expected shm, tcp or hier\n", transport.c_str());
     return 2;
   }
+  if (transport == "hier") ddp::register_backend("hier", make_hierarchical);
   if (const char* r = std::getenv("RANK")) rank_for_lines = std::atoi(r);
   try {
     phase("rendezvous");
     ddp::init_options options;
     options.prefix = prefix;
-    auto group = ddp::init_process_group(transport == "tcp" ? "tcp" : "ring", options);
+    auto group = ddp::init_process_group(transport == "shm" ? "ring" : transport, options);
     const int world = group.size(), me = group.rank();
     rank_for_lines = me;
 

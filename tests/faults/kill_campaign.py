@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The kill campaign: random SIGKILLs at random moments of 4-rank jobs, and what follows them.
 
-Each trial starts one job of fault_worker (4 ranks, over shm or tcp; under ddprun, with the
+Each trial starts one job of fault_worker (4 ranks, over shm or tcp, or with --transports hier
+over the ring backend's hierarchy, ranks 0-1 and 2-3 posing as two hosts; under ddprun, with the
 ranks started by hand: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a fresh free MASTER_PORT, ...,
 or, with --modes mpirun, under Open MPI's mpirun, the ranks reading its variables and deriving
 the store's port from the job's identity; with --modes torchrun, under PyTorch's torchrun
@@ -568,7 +569,7 @@ def describe_status(status):
 
 def plan(args):
     rng = random.Random(args.seed)
-    combos = [(m, t, p) for m in args.modes.split(",") for t in ("shm", "tcp") for p in PHASES]
+    combos = [(m, t, p) for m in args.modes.split(",") for t in args.transports.split(",") for p in PHASES]
     only = args.only.split(":") if args.only else []
     if only:
         combos = [c for c in combos if all(want == got for want, got in zip(only[:3], c))]
@@ -607,6 +608,8 @@ def main():
     ap.add_argument("--worker", required=True, help="the fault_worker program")
     ap.add_argument("--ddprun", default="", help="the ddprun program (modes ddprun and hand)")
     ap.add_argument("--modes", default="ddprun,hand", help="how jobs start: ddprun, hand, mpirun, torchrun (comma-separated)")
+    ap.add_argument("--transports", default="shm,tcp",
+                    help="fault_worker's transports: shm, tcp, hier (two posed hosts of two ranks; comma-separated)")
     ap.add_argument("--mpirun", default="", help="Open MPI's mpirun (mode mpirun)")
     ap.add_argument("--mpirun-flags", default="", help="mpirun's options before -n, as one string")
     ap.add_argument("--torchrun", default="", help="PyTorch's torchrun (mode torchrun)")
