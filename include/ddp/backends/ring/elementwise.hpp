@@ -13,3 +13,13 @@
 #else
 #define DDP_ELEMENTWISE_LOOP
 #endif
+
+// DDP_HOT_KERNEL puts a kernel's function out of line, starting on a 64-byte boundary: where its
+// loops fall relative to the instruction fetch lines then depends on the kernel alone, not on
+// what else the including file compiles, which otherwise changed the same all-reduce's speed from
+// one build to the next (bench/README.md, "Kernel alignment").
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#define DDP_HOT_KERNEL [[gnu::noinline, gnu::aligned(64)]]
+#else
+#define DDP_HOT_KERNEL
+#endif

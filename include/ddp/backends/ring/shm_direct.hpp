@@ -205,7 +205,8 @@ void fold_block(const std::byte* const* srcs, int p, std::byte* const* dsts, int
 enum class walk : bool { ascending, descending };
 
 template <class E, class Op>
-void fold_static(const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n, Op op, walk direction) noexcept {
+DDP_HOT_KERNEL void fold_static(const std::byte* const* srcs, int p, std::byte* const* dsts, int ndst, std::size_t n, Op op,
+                                walk direction) noexcept {
   constexpr std::size_t block = 2048;
   accumulate_t<E> tmp[block];
   if (direction == walk::ascending) {

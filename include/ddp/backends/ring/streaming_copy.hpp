@@ -14,13 +14,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ddp/backends/ring/elementwise.hpp"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 namespace ddp::detail {
 
-inline void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept {
+DDP_HOT_KERNEL inline void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept {
 #if defined(__SSE2__)
   auto* d = static_cast<std::byte*>(dst);
   const auto* s = static_cast<const std::byte*>(src);
