@@ -239,7 +239,7 @@ class shm_group {
     if (job_->claim.compare_exchange_strong(expected, 1)) {
       auto* note = note_of(segments_[0].data());
       const std::size_t n = std::min(why.size(), sizeof note->text);
-      std::memcpy(note->text, why.data(), n);
+      if (n != 0) std::memcpy(note->text, why.data(), n);  // an empty view's data() may be null
       note->length = static_cast<std::uint32_t>(n);  // published by the release below
       job_->cause_pid.store(cause_pid, std::memory_order_relaxed);
       job_->aborted.store(word, std::memory_order_release);
