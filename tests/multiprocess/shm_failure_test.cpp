@@ -300,6 +300,30 @@ TEST_CASE("shm failure: abort() from another thread or another rank unblocks a w
   CHECK(run.leftovers.empty());
 }
 
+TEST_CASE("shm failure: a rank that fails outside a collective, with no peer here dead, makes the peers quote its cause") {
+  // The set-up's failure path: a rank whose store died (its host was killed elsewhere) aborts
+  // its shared memory while its peers already wait in a collective; they must name that cause,
+  // not the aborting rank.
+  const std::string cause = "the store server at 127.0.0.1:1 (hosted by rank 7) closed the connection";
+  const auto run = run_group(2, "shmrelay", [&](int rank, comm_t& comm, ddp::store::file_store& st) {
+    std::vector<float> data(1 << 16, 1.0f);
+    if (rank == 1) {
+      st.wait({"waiting0"}, 20s);
+      comm.abort_noticing(0ms, cause);
+      return;
+    }
+    st.set_string("waiting0", "1");
+    const auto start = ddp::clock::now();
+    expect_error(ddp::errc::peer_lost, {cause, "relayed by rank 1"}, [&] {
+      comm.all_reduce(std::span<float>(data), ddp::sum{}, make_desc(1, collective::all_reduce, ddp::dtype::float32, data.size()), ddp::deadline::after(20s));
+    });
+    check(ddp::clock::now() - start < 10s, "the abort was noticed late");
+  });
+  INFO(run.result.describe());
+  CHECK(run.result.ok());
+  CHECK(run.leftovers.empty());
+}
+
 TEST_CASE("shm failure: a communicator with shared buffers leaves no descriptor and no segment behind") {
   const auto run = ddp::test::run_ranks(2, [](int rank) {
     const std::string path = "/tmp/ddp-shmfd-" + std::to_string(::getppid()) + ".store";

@@ -382,12 +382,15 @@ class ring_backend {
     if (size > 1 && s_->options.heartbeat_timeout.count() > 0) {
       try {
         start_heartbeat(setup);
-      } catch (...) {
+      } catch (const error& e) {
         // Peers that finished their set-up already wait in a collective on the communicators:
         // they must learn of this failure now, and of its cause (a dead peer, often the store's
-        // host) rather than of this rank's exit. The grace: that peer's sockets close before
-        // its exit shows, so this rank can fail on them first.
-        s_->abort_noticing_all(std::chrono::milliseconds(200));
+        // host) rather than of this rank's exit: a dead peer on this host if one shows within
+        // the grace (its sockets close before its exit shows), this failure's message if not.
+        s_->abort_noticing_all(std::chrono::milliseconds(200), e.message());
+        throw;
+      } catch (...) {
+        s_->abort_noticing_all(std::chrono::milliseconds(200), {});
         throw;
       }
     }
@@ -419,10 +422,16 @@ class ring_backend {
       if (tcp) tcp->abort();
       if (hier) hier->abort();
     }
-    void abort_noticing_all(std::chrono::milliseconds grace) noexcept {
-      if (shm) shm->abort_noticing(grace);
+    // For a failure seen outside a collective: the shared-memory peers quote `why`.
+    void abort_relaying_all(std::string_view why) noexcept {
+      if (shm) shm->abort_relaying(why);
       if (tcp) tcp->abort();
-      if (hier) hier->abort_noticing(grace);
+      if (hier) hier->abort_relaying(why);
+    }
+    void abort_noticing_all(std::chrono::milliseconds grace, std::string_view why) noexcept {
+      if (shm) shm->abort_noticing(grace, why);
+      if (tcp) tcp->abort();
+      if (hier) hier->abort_noticing(grace, why);
     }
   };
 
@@ -468,7 +477,7 @@ class ring_backend {
     else if (s_->hier) host = detail::heartbeat::host_of_address(s_->hier->flat().transport().address());
     state* st = s_.get();
     s_->monitor = std::make_unique<detail::heartbeat::liveness_monitor>(*s_->store, s_->options.prefix, s_->rank, s_->size, s_->options.heartbeat_timeout,
-                                                                host, setup, s_->topology, s_->liveness, [st](const std::string&) { st->abort_all(); });
+                                                                host, setup, s_->topology, s_->liveness, [st](const std::string& why) { st->abort_relaying_all(why); });
   }
 
   template <class T>

@@ -210,10 +210,18 @@ class hierarchical_communicator {
     if (local_) local_->abort();
     if (leaders_) leaders_->abort();
   }
-  /// abort(), this host's shared memory naming a peer this rank sees dead (shm_communicator).
-  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0)) noexcept {
+  /// abort(), this host's other ranks quoting `why`: a failure this rank saw outside its
+  /// collectives (the heartbeat's verdict).
+  void abort_relaying(std::string_view why) noexcept {
     flat_->abort();
-    if (local_) local_->abort_noticing(grace);
+    if (local_) local_->abort_relaying(why);
+    if (leaders_) leaders_->abort();
+  }
+  /// abort(), this host's shared memory naming a peer this rank sees dead, or quoting `why`
+  /// without one (shm_communicator).
+  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0), std::string_view why = {}) noexcept {
+    flat_->abort();
+    if (local_) local_->abort_noticing(grace, why);
     if (leaders_) leaders_->abort();
   }
 

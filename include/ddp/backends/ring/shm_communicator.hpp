@@ -125,8 +125,9 @@ class shm_communicator {
   }
   /// abort(), naming a peer this rank sees dead as the cause: for a failure outside a
   /// collective (the rest of the set-up), so the peers name that peer, not this rank's exit.
-  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0)) noexcept {
-    group_.abort_noticing(grace);
+  /// Without one, the peers quote `why`.
+  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0), std::string_view why = {}) noexcept {
+    group_.abort_noticing(grace, why);
     p2p_.abort();
   }
 

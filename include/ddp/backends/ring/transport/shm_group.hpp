@@ -250,11 +250,14 @@ class shm_group {
   /// abort(), naming a dead peer if this rank sees one: called when a wait on this rank failed.
   /// With a grace, waits up to that long for a peer's exit to show: a failure elsewhere (a
   /// store connection reset by its dying host) can come before the kernel marks that host
-  /// exited, since a dying process closes its sockets before it becomes a zombie.
-  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0)) noexcept {
+  /// exited, since a dying process closes its sockets before it becomes a zombie. Without a dead
+  /// peer here, `why` (this rank's own failure, e.g. a store whose host died) is what the others
+  /// quote.
+  void abort_noticing(std::chrono::milliseconds grace = std::chrono::milliseconds(0), std::string_view why = {}) noexcept {
     if (job_ == nullptr) return;
     const auto dead = watch_.first_dead_within(grace);
-    abort(dead ? dead->rank : -1, dead ? dead->pid : 0);
+    if (dead) abort(dead->rank, dead->pid);
+    else abort(-1, 0, why);
   }
 
   /// Why a wait cannot succeed: a dead peer or an abort; nullopt when neither.
