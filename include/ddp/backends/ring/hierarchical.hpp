@@ -41,6 +41,7 @@
 #include "ddp/backends/ring/exchange.hpp"
 #include "ddp/backends/ring/ring_communicator.hpp"
 #include "ddp/backends/ring/shm_communicator.hpp"
+#include "ddp/backends/ring/transport/rank_numbering.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -111,10 +112,10 @@ class hierarchical_communicator {
       : flat_(std::move(flat)), local_(std::move(local)), leaders_(std::move(leaders)), layout_(std::move(layout)), o_(std::move(o)) {
     const int host = layout_.host_of[static_cast<std::size_t>(flat_->rank())];
     const auto on = layout_.ranks_on(host);
-    local_note_ = " [on the shared-memory level of host " + std::to_string(host) + ": ranks " + list(on) + "]";
+    local_note_ = " [on the shared-memory level of host " + std::to_string(host) + ": ranks " + rank_numbering{}.list(on) + "]";
     std::vector<int> leads;
     for (int h = 0; h < layout_.hosts; ++h) leads.push_back(layout_.ranks_on(h).front());
-    leader_note_ = " [on the inter-host level: the hosts' leaders, ranks " + list(leads) + "]";
+    leader_note_ = " [on the inter-host level: the hosts' leaders, ranks " + rank_numbering{}.list(leads) + "]";
   }
   hierarchical_communicator(const hierarchical_communicator&) = delete;
   hierarchical_communicator& operator=(const hierarchical_communicator&) = delete;
@@ -234,11 +235,6 @@ class hierarchical_communicator {
     } else {
       return std::conditional_t<Op::kind == reduce_kind::avg, ddp::sum, Op>{};
     }
-  }
-  static std::string list(const std::vector<int>& v) {
-    std::string s;
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-    return s;
   }
 
   // Runs one level; its error gets the level's note (its rank numbers are that level's).

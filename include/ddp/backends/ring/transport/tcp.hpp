@@ -404,7 +404,7 @@ class tcp_transport {
       }
       p[n++] = {s_->wake.get(), POLLIN, 0};
       const int rc = ::poll(p, n, dl.poll_timeout_ms());
-      if (rc == 0) throw error(errc::timeout, timeout_message(to, oc, from, ic), {.rank = s_->numbering(s_->rank)});
+      if (rc == 0) throw error(errc::timeout, timeout_message(to, oc, from, ic), {.rank = named_self()});
       if (rc < 0 && errno != EINTR) throw error(errc::internal, system_message("poll"));
     }
   }
@@ -441,6 +441,9 @@ class tcp_transport {
   }
 
  private:
+  // This rank's number in its errors (the backend's, on a level of the hierarchy).
+  int named_self() const noexcept { return s_->numbering(s_->rank); }
+
   struct peer_link {
     detail::tcp::unique_fd fd;
     std::atomic<std::uint64_t> sent{0}, received{0};
@@ -460,7 +463,7 @@ class tcp_transport {
     if (peer < 0 || peer >= s_->size || peer == s_->rank) {
       throw error(errc::invalid_argument, "tcp_transport: rank " + std::to_string(peer) + " is not a peer of rank " +
                                               std::to_string(s_->rank) + " in a group of size " + std::to_string(s_->size),
-                  {.rank = s_->numbering(s_->rank)});
+                  {.rank = named_self()});
     }
     const int fd = s_->peers[static_cast<std::size_t>(peer)].fd.get();
     if (fd < 0) throw aborted_error();
@@ -468,16 +471,16 @@ class tcp_transport {
   }
 
   error aborted_error() const {
-    return error(errc::peer_lost, "the transport was aborted (abort() on this rank, after an error or a deadline)", {.rank = s_->numbering(s_->rank)});
+    return error(errc::peer_lost, "the transport was aborted (abort() on this rank, after an error or a deadline)", {.rank = named_self()});
   }
 
   [[noreturn]] void lost(int peer, int err) {
     if (s_->aborted.load(std::memory_order_acquire)) throw aborted_error();
     s_->lost_peer.store(peer, std::memory_order_relaxed);
     const std::string who = "peer " + s_->numbering.rank(peer);
-    if (err == 0 || err == EPIPE) throw error(errc::peer_lost, who + " closed the connection", {.rank = s_->numbering(s_->rank)});
-    if (err == ECONNRESET) throw error(errc::peer_lost, who + " reset the connection (it exited or aborted)", {.rank = s_->numbering(s_->rank), .backend_code = err});
-    throw error(errc::peer_lost, system_message("connection to " + who, err), {.rank = s_->numbering(s_->rank), .backend_code = err});
+    if (err == 0 || err == EPIPE) throw error(errc::peer_lost, who + " closed the connection", {.rank = named_self()});
+    if (err == ECONNRESET) throw error(errc::peer_lost, who + " reset the connection (it exited or aborted)", {.rank = named_self(), .backend_code = err});
+    throw error(errc::peer_lost, system_message("connection to " + who, err), {.rank = named_self(), .backend_code = err});
   }
 
   template <class O, class I>
@@ -516,7 +519,7 @@ class tcp_transport {
         if (auto address = local_address_towards(master); !address.empty()) return address;
       }
       throw error(errc::config, "the ranks run on several hosts: set DDP_SOCKET_ADDR (or tcp_options::listen_address) to "
-                                "this host's address on the network the ranks share", {.rank = s_->numbering(s_->rank)});
+                                "this host's address on the network the ranks share", {.rank = named_self()});
     }
     return "127.0.0.1";
   }
@@ -560,17 +563,17 @@ class tcp_transport {
         return;
       } catch (const error& e) {
         if (e.code() == errc::store && looked && !missing.empty() && store_gone_at_deadline(dl, timeout)) {
-          throw error(errc::timeout, not_done() + " (then: " + e.message() + ")", {.rank = s_->numbering(s_->rank)});
+          throw error(errc::timeout, not_done() + " (then: " + e.message() + ")", {.rank = named_self()});
         }
         if (e.code() != errc::timeout) {
           auto c = e.context();
-          c.rank = s_->numbering(s_->rank);
+          c.rank = named_self();
           throw e.with_context(std::move(c));
         }
       }
       look();
       if (missing.empty()) return;
-      if (dl.expired()) throw error(errc::timeout, not_done(), {.rank = s_->numbering(s_->rank)});
+      if (dl.expired()) throw error(errc::timeout, not_done(), {.rank = named_self()});
     }
   }
 
