@@ -295,7 +295,7 @@ class tcp_transport {
       try {
         connect_mesh(store, prefix, opts, topology);
       } catch (const error& e) {
-        if (e.code() == errc::peer_lost || e.code() == errc::timeout) throw_store_trouble(store, s_->numbering(rank), &e);
+        if (e.code() == errc::peer_lost || e.code() == errc::timeout) throw_store_trouble(store, named_self(), &e);
         throw;
       }
     }
@@ -595,7 +595,7 @@ class tcp_transport {
   void connect_mesh(ddp::store::store& store, const std::string& prefix, const tcp_options& opts, const rank_topology* topology) {
     const deadline dl = deadline::after(opts.timeout);
     const int rank = s_->rank, size = s_->size;
-    const int named = s_->numbering(rank);  // this rank's number in messages
+    const int named = named_self();  // this rank's number in messages
     const auto& numbering = s_->numbering;
     const std::uint64_t prefix_hash = detail::tcp::fnv1a(prefix);
     const auto spin = detail::tcp::wanted_spin(opts.spin);  // a bad DDP_TCP_SPIN_US fails before any waiting
