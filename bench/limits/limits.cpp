@@ -5,6 +5,10 @@
 //                                                      ranks bound as ddp_bench_allreduce binds them
 //   ddp_bench_limits --bandwidth                       memcpy with 1 and 2 threads, loopback TCP stream
 //                                                      one way and both ways at once
+//   ddp_bench_limits --copy-distance                   memcpy and ddp's bulk_copy of an in-cache block at
+//                                                      several distances of the destination past the
+//                                                      source modulo a page (bench/README, "The slow copy
+//                                                      distance")
 //
 // The probe: both ranks' buffers live in one shared mapping; each rank adds its half of the
 // peer's buffer into its own and writes the sum into both (in place, no copies), then a spin
@@ -20,8 +24,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -29,6 +35,7 @@
 #include "../common/bench_table.hpp"
 #include "../common/rank_binding.hpp"
 #include "ddp/backends/ring/transport/socket.hpp"
+#include "ddp/core/bulk_copy.hpp"
 
 namespace {
 
@@ -199,25 +206,68 @@ double tcp_duplex_gbs(std::size_t total) {
                        });
 }
 
+// Microseconds per copy of `bytes` from a page-aligned source to a destination `distance` bytes
+// past it modulo a page, the block warm in cache: the median of 7 timings of `reps` copies.
+template <class Copy>
+double copy_us(Copy copy, std::size_t bytes, std::size_t distance) {
+  constexpr std::size_t page = 4096;
+  std::vector<char> memory(2 * bytes + 4 * page, 1);
+  char* const src = memory.data() + (page - reinterpret_cast<std::uintptr_t>(memory.data()) % page) % page;
+  char* const dst = src + (bytes + page - 1) / page * page + page + distance;
+  const int reps = static_cast<int>(std::max<std::size_t>(20, (std::size_t{64} << 20) / std::max<std::size_t>(bytes, 1) / 8));
+  std::vector<double> times;
+  for (int round = 0; round < 7; ++round) {
+    for (int w = 0; w < 5; ++w) copy(dst, src, bytes);
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < reps; ++r) {
+      copy(dst, src, bytes);
+      asm volatile("" : : "r"(dst) : "memory");  // every copy happens
+    }
+    times.push_back(seconds(std::chrono::steady_clock::now() - start).count() * 1e6 / reps);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+int copy_distance(bool csv) {
+  const std::size_t sizes[] = {4096, 16384, 65536, 262144, 1048576, 4194304};
+  const std::size_t distances[] = {0, 1, 8, 16, 31, 32, 48, 4080};
+  auto libc = [](void* d, const void* s, std::size_t n) { std::memcpy(d, s, n); };
+  auto ours = [](void* d, const void* s, std::size_t n) { ddp::detail::bulk_copy(d, s, n); };
+  if (csv) std::printf("bytes,distance,memcpy_us,bulk_copy_us\n");
+  else std::printf("| bytes | distance | memcpy, us | bulk_copy, us | memcpy / bulk_copy |\n| ---: | ---: | ---: | ---: | ---: |\n");
+  for (const std::size_t bytes : sizes) {
+    for (const std::size_t distance : distances) {
+      const double m = copy_us(libc, bytes, distance), b = copy_us(ours, bytes, distance);
+      if (csv) std::printf("%zu,%zu,%.3f,%.3f\n", bytes, distance, m, b);
+      else std::printf("| %zu | %zu | %.2f | %.2f | %.2f |\n", bytes, distance, m, b, m / b);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ddp::bench::sweep_options options;
   std::vector<std::string> rest;
   if (!ddp::bench::parse_common(argc, argv, options, rest)) return 2;
-  bool do_probe = false, copy = false, bandwidth = false, bind = true;
+  bool do_probe = false, copy = false, bandwidth = false, distance = false, bind = true;
   for (std::size_t i = 0; i < rest.size(); ++i) {
     const auto& a = rest[i];
     if (a == "--probe") do_probe = true;
     else if (a == "--copy") copy = true;
     else if (a == "--bandwidth") bandwidth = true;
+    else if (a == "--copy-distance") distance = true;
     else if (a == "--bind" && i + 1 < rest.size() && (rest[i + 1] == "cpus" || rest[i + 1] == "none")) bind = rest[++i] == "cpus";
     else {
-      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv]\n", a.c_str());
+      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv] | --copy-distance [--csv]\n", a.c_str());
       return 2;
     }
   }
   if (do_probe) return probe(options, copy, bind);
+  if (distance) return copy_distance(options.csv);
   if (bandwidth) {
     const std::size_t bytes = std::size_t{64} << 20;
     const double one = memcpy_gbs(1, bytes), two = memcpy_gbs(2, bytes), tcp = tcp_stream_gbs(std::size_t{1} << 30);
@@ -236,6 +286,6 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv]\n");
+  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv] | --copy-distance [--csv]\n");
   return 2;
 }

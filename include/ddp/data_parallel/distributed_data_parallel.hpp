@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
@@ -625,7 +626,7 @@ class distributed_data_parallel {
         return;
       }
     }
-    std::memcpy(dst, src, n);
+    detail::bulk_copy(dst, src, n);
   }
   // A bucket holds one memory space (assign_buckets groups by it): its first parameter's.
   bool on_device(const bucket& b) const { return params_[b.info.parameters.front()].memory != memory_space::host; }

@@ -121,6 +121,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/error.hpp"
@@ -561,7 +562,7 @@ class sharded_data_parallel {
         return;
       }
     }
-    std::memcpy(dst, src, n);
+    detail::bulk_copy(dst, src, n);
   }
   void zero_bytes(void* dst, std::size_t n) {
     if (n == 0) return;

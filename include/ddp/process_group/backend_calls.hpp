@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
@@ -219,7 +220,7 @@ struct pg_backend_calls {
       s.backend.copy_memory(dst, src, bytes);
     } else {
       (void)s;
-      if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+      if (bytes > 0 && dst != src) ddp::detail::bulk_copy(dst, src, bytes);
     }
   }
 

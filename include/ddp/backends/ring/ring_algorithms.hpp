@@ -23,6 +23,7 @@
 
 #include "ddp/backends/ring/exchange.hpp"
 #include "ddp/backends/ring/scratch.hpp"
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -207,7 +208,7 @@ void ring_all_reduce(T& t, std::span<E> data, Op op, const collective_desc& d, d
   } else {
     const detail::scratch<detail::ring_own_block> own(blocks.size(r) * sizeof(E));
     detail::reduce_scatter_phase(t, bytes, data.size(), own.data(), false, k, d, dl, o);
-    if (blocks.size(r) != 0) std::memcpy(bytes + blocks.begin(r) * sizeof(E), own.data(), blocks.size(r) * sizeof(E));  // data may be null when empty
+    if (blocks.size(r) != 0) ddp::detail::bulk_copy(bytes + blocks.begin(r) * sizeof(E), own.data(), blocks.size(r) * sizeof(E));  // data may be null when empty
   }
   detail::all_gather_phase(t, data.data(), data.size(), nullptr, dl, o);
 }

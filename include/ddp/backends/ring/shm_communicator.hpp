@@ -46,6 +46,7 @@
 
 #include "ddp/backends/ring/shm_direct.hpp"
 #include "ddp/backends/ring/staging_copy_choice.hpp"
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/dtype.hpp"
@@ -204,12 +205,12 @@ class shm_communicator {
       if (bytes <= opts_.small_bytes) {
         publish(c, d, data.data(), rank_ == root ? bytes : 0);
         enter(c, d, dl, rank_ == root ? 0 : bytes);
-        if (rank_ != root && bytes != 0) std::memcpy(data.data(), peer_payload<E>(root, c, bytes), bytes);
+        if (rank_ != root && bytes != 0) ddp::detail::bulk_copy(data.data(), peer_payload<E>(root, c, bytes), bytes);
         return;
       }
       enter_with_buffer(c, d, dl, data.data(), bytes, false);
       if (const std::byte* src = resolve(root, c, bytes)) {
-        if (rank_ != root) std::memcpy(data.data(), src, bytes);
+        if (rank_ != root) ddp::detail::bulk_copy(data.data(), src, bytes);
         sync_all(d, dl, rank_ == root);  // the root's buffer stays untouched until every rank has read it
         return;
       }
@@ -232,7 +233,7 @@ class shm_communicator {
         publish(c, d, in.data(), bytes);
         enter(c, d, dl, bytes);
         for (int j = 0; j < size_; ++j)
-          if (j != rank_ && bytes) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c, bytes), bytes);
+          if (j != rank_ && bytes) ddp::detail::bulk_copy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c, bytes), bytes);
         if (bytes) std::memmove(own, in.data(), bytes);
         return;
       }
@@ -240,7 +241,7 @@ class shm_communicator {
       ptrs<E> bufs(size_);
       if (zero_copy(c, bytes, bufs)) {
         for (int j = 0; j < size_; ++j)
-          if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, bufs[j], bytes);
+          if (j != rank_) ddp::detail::bulk_copy(out.data() + static_cast<std::size_t>(j) * n, bufs[j], bytes);
         std::memmove(own, in.data(), bytes);
         sync_all(d, dl, true);
         return;
@@ -281,19 +282,19 @@ class shm_communicator {
         if (block == 0) return;
         std::memmove(out.data() + offset, in.data() + offset, block);
         for (int j = 0; j < size_; ++j)
-          if (j != rank_) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c, in.size_bytes()) + offset, block);
+          if (j != rank_) ddp::detail::bulk_copy(out.data() + static_cast<std::size_t>(j) * n, peer_payload<E>(j, c, in.size_bytes()) + offset, block);
         return;
       }
       enter_with_buffer(c, d, dl, in.data(), in.size_bytes(), overlaps(in, out));
       ptrs<E> bufs(size_);
       if (zero_copy(c, in.size_bytes(), bufs)) {
-        for (int j = 0; j < size_; ++j) std::memcpy(out.data() + static_cast<std::size_t>(j) * n, bufs[j] + offset, block);
+        for (int j = 0; j < size_; ++j) ddp::detail::bulk_copy(out.data() + static_cast<std::size_t>(j) * n, bufs[j] + offset, block);
         sync_all(d, dl, true);
         return;
       }
       auto* to = std::as_writable_bytes(out).data();
       staged_blocks(std::as_bytes(in).data(), n, sizeof(E), d, dl, [&](const std::byte* const* pieces, std::size_t at, std::size_t len) {
-        for (int j = 0; j < size_; ++j) std::memcpy(to + (static_cast<std::size_t>(j) * n + at) * sizeof(E), pieces[j], len * sizeof(E));
+        for (int j = 0; j < size_; ++j) ddp::detail::bulk_copy(to + (static_cast<std::size_t>(j) * n + at) * sizeof(E), pieces[j], len * sizeof(E));
       });
     });
   }
@@ -458,7 +459,7 @@ class shm_communicator {
     own_descriptor_ = descriptor != nullptr ? *descriptor : shm_direct::buffer_descriptor{};
     if (descriptor != nullptr) std::memcpy(s->descriptor, descriptor, sizeof *descriptor);
     else if (bytes != 0 && bytes <= slot::inline_bytes) std::memcpy(s->descriptor, payload, bytes);
-    if (bytes > slot::inline_bytes) std::memcpy(s->payload(bytes), payload, bytes);
+    if (bytes > slot::inline_bytes) ddp::detail::bulk_copy(s->payload(bytes), payload, bytes);
     s->call.store(c, std::memory_order_release);
     group_.notify();
   }
@@ -624,7 +625,7 @@ class shm_communicator {
   // ordinary stores hit: ordinary stores.
   void copy_to_staging(void* dst, const void* src, std::size_t bytes, std::size_t chunk, bool streaming_chosen) const noexcept {
     if (streaming_chosen && copy_choice_matters(chunk)) ddp::detail::streaming_copy(dst, src, bytes);
-    else std::memcpy(dst, src, bytes);
+    else ddp::detail::bulk_copy(dst, src, bytes);
   }
 
   // Whether a call's copies into staging can be streamed at all, so that choosing matters: the
@@ -856,7 +857,7 @@ class shm_communicator {
         for (int j = 0; j < size_; ++j) {
           if (j == rank_) continue;
           const std::size_t a = shm_direct::slice_begin(len, size_, j, es), b = shm_direct::slice_begin(len, size_, j + 1, es);
-          std::memcpy(data + (k * m + a) * es, stage(j, k) + a * es, (b - a) * es);
+          ddp::detail::bulk_copy(data + (k * m + a) * es, stage(j, k) + a * es, (b - a) * es);
         }
       }
       set(shm_direct::done, g + 1);
@@ -877,7 +878,7 @@ class shm_communicator {
         set(shm_direct::arrived, g + 1);
       } else {
         wait_counter(shm_direct::arrived, g + 1, root, d, dl, "stage its chunk");
-        std::memcpy(data + k * m, layout_.staging_at(base(root), g), len);
+        ddp::detail::bulk_copy(data + k * m, layout_.staging_at(base(root), g), len);
       }
       set(shm_direct::done, g + 1);
     }
@@ -901,7 +902,7 @@ class shm_communicator {
       if (k + 1 < chunks) copy_in(k + 1);
       wait_counter(shm_direct::arrived, g0 + k + 1, -1, d, dl, "stage its chunk");
       for (int j = 0; j < size_; ++j)
-        if (j != rank_) std::memcpy(out + static_cast<std::size_t>(j) * n + k * m, stage(j, k), length(k) * sizeof(E));
+        if (j != rank_) ddp::detail::bulk_copy(out + static_cast<std::size_t>(j) * n + k * m, stage(j, k), length(k) * sizeof(E));
       set(shm_direct::done, g0 + k + 1);
     }
   }

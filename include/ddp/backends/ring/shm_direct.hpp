@@ -35,6 +35,7 @@
 #include <cstring>
 #include <span>
 
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/collective.hpp"
 #include "ddp/core/dtype.hpp"
 #include "ddp/core/reduce_op.hpp"
@@ -173,7 +174,7 @@ void fold_block(const std::byte* const* srcs, int p, std::byte* const* dsts, int
       if constexpr (Op::kind == reduce_kind::avg) v = op.finish(v, p);
       d0[i] = from_acc<E>(v);
     }
-    if (d1 != nullptr) std::memcpy(d1, d0, m * sizeof(E));
+    if (d1 != nullptr) ddp::detail::bulk_copy(d1, d0, m * sizeof(E));
   } else if (p == 2) {
     fold_last_source<Down>(src(0), src(1), d0, d1, m, p, op);
   } else {
@@ -194,7 +195,7 @@ void fold_block(const std::byte* const* srcs, int p, std::byte* const* dsts, int
     }
     fold_last_source<Down>(static_cast<const A*>(tmp), src(p - 1), d0, d1, m, p, op);
   }
-  for (int d = 2; d < ndst; ++d) std::memcpy(dst(d), d0, m * sizeof(E));
+  for (int d = 2; d < ndst; ++d) ddp::detail::bulk_copy(dst(d), d0, m * sizeof(E));
 }
 
 // Which way a rank walks its slice. All ascending, p = 2 at 32-64 KiB: the rank of the upper

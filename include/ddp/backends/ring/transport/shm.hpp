@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "ddp/core/bulk_copy.hpp"
 #include "ddp/core/concepts.hpp"
 #include "ddp/core/deadline.hpp"
 #include "ddp/core/error.hpp"
@@ -111,8 +112,8 @@ class shm_transport {
     if (k == 0) return 0;
     const std::size_t at = static_cast<std::size_t>(head) & (capacity_ - 1);
     const std::size_t first = std::min(k, capacity_ - at);
-    std::memcpy(r.data + at, p, first);
-    std::memcpy(r.data, p + first, k - first);
+    ddp::detail::bulk_copy(r.data + at, p, first);
+    ddp::detail::bulk_copy(r.data, p + first, k - first);
     r.head->value.store(head + k, std::memory_order_release);
     return k;
   }
@@ -124,8 +125,8 @@ class shm_transport {
     if (k == 0) return 0;
     const std::size_t at = static_cast<std::size_t>(tail) & (capacity_ - 1);
     const std::size_t first = std::min(k, capacity_ - at);
-    std::memcpy(p, r.data + at, first);
-    std::memcpy(p + first, r.data, k - first);
+    ddp::detail::bulk_copy(p, r.data + at, first);
+    ddp::detail::bulk_copy(p + first, r.data, k - first);
     r.tail->value.store(tail + k, std::memory_order_release);
     return k;
   }
