@@ -22,28 +22,35 @@
 
 namespace ddp::detail {
 
+#if defined(__SSE2__)
+// The copy at those distances, out of line: every call site of bulk_copy keeps only the test.
+#if defined(__GNUC__) || defined(__clang__)
+[[gnu::noinline]]
+#endif
+inline void copy_down_by_vectors(void* dst, const void* src, std::size_t bytes) noexcept {
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  std::size_t end = bytes;
+  for (; end >= 64; end -= 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 64));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 48));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 64), a);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 48), b);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 32), c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 16), e);
+  }
+  std::memcpy(d, s, end);  // the first bytes % 64: below the slow case's sizes
+}
+#endif
+
 inline void bulk_copy(void* dst, const void* src, std::size_t bytes) noexcept {
 #if defined(__SSE2__)
   // Below this the C library copies with vector loops at every distance.
   constexpr std::size_t slow_case_from = 2048;
   const std::size_t distance = (reinterpret_cast<std::uintptr_t>(dst) - reinterpret_cast<std::uintptr_t>(src)) % 4096;
-  if (bytes >= slow_case_from && distance != 0 && distance < 32) {
-    auto* d = static_cast<unsigned char*>(dst);
-    const auto* s = static_cast<const unsigned char*>(src);
-    std::size_t end = bytes;
-    for (; end >= 64; end -= 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 64));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 48));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 32));
-      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + end - 16));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 64), a);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 48), b);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 32), c);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + end - 16), e);
-    }
-    std::memcpy(d, s, end);  // the first bytes % 64: below the slow case's sizes
-    return;
-  }
+  if (bytes >= slow_case_from && distance != 0 && distance < 32) return copy_down_by_vectors(dst, src, bytes);
 #endif
   std::memcpy(dst, src, bytes);
 }
