@@ -80,8 +80,9 @@ class shm_communicator {
     // All-reduce / reduce of ordinary buffers up to this many bytes times (p - 1): every rank
     // stages its whole buffer (in one half of its staging area) with its header, and reduces every
     // rank's staged copy straight into its own buffer. Capped at half the staging area. Up to the
-    // whole half: on a machine whose cores hand lines over slowly the staged pipeline's three
-    // handoffs cost more than folding p copies, and elsewhere the two measured level (bench/README).
+    // whole half: with more ranks than CPUs the direct path's one handoff measured faster than the
+    // staged pipeline's three, and with a CPU per rank the two measured level within the
+    // machine's noise (bench/README).
     std::size_t direct_bytes = 512 << 10;
     // Direct copies of at least direct_spread_from bytes take turns through this many bytes of
     // their half rather than its start: a rank then writes lines its peers last read several
