@@ -252,7 +252,7 @@ void ring_reduce(T& t, std::span<E> data, int root, Op op, const collective_desc
     const recv_piece in[1] = {bytes_of(data.data() + blocks.begin(k), blocks.size(k))};
     exchange(t, -1, {}, k, std::span<const recv_piece>(in), dl, none);
   }
-  std::copy(own.begin(), own.end(), data.begin() + static_cast<std::ptrdiff_t>(blocks.begin(r)));
+  if (!own.empty()) ddp::detail::bulk_copy(data.data() + blocks.begin(r), own.data(), own.size_bytes());
 }
 
 /// broadcast from `root` along the ring r -> r + 1 -> ..., pipelined by chunks: a rank forwards
