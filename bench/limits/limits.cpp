@@ -9,6 +9,8 @@
 //                                                      several distances of the destination past the
 //                                                      source modulo a page (bench/README, "The slow copy
 //                                                      distance")
+//   ddp_bench_limits --receive-offset                  the loopback TCP stream received at several
+//                                                      offsets of the buffer in its page
 //
 // The probe: both ranks' buffers live in one shared mapping; each rank adds its half of the
 // peer's buffer into its own and writes the sum into both (in place, no copies), then a spin
@@ -145,28 +147,55 @@ double over_loopback(Child child, Parent parent) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 && result > 0 ? result : 0.0;
 }
 
-// One way: the child sends `total` bytes, this process receives them.
-double tcp_stream_gbs(std::size_t total) {
-  std::vector<char> buffer(std::size_t{1} << 20, 7);
+// One way: the child sends `total` bytes from a page-aligned buffer, this process receives them
+// into a buffer `receive_offset` bytes into its page. The kernel's copy into user memory is slower
+// at some offsets (bench/README, "TCP against the loopback's limits"); --bandwidth receives at 16,
+// where glibc puts a std::vector of 128 KiB or more, as a user's buffer would be.
+double tcp_stream_gbs(std::size_t total, std::size_t receive_offset) {
+  constexpr std::size_t page = 4096, chunk = std::size_t{1} << 20;
+  std::vector<char> memory(chunk + 2 * page, 7);
+  char* const aligned = memory.data() + (page - reinterpret_cast<std::uintptr_t>(memory.data()) % page) % page;
   return over_loopback(
       [&](int fd) {
         for (std::size_t sent = 0; sent < total;) {
-          const ssize_t n = ::send(fd, buffer.data(), std::min(buffer.size(), total - sent), 0);
+          const ssize_t n = ::send(fd, aligned, std::min(chunk, total - sent), 0);
           if (n <= 0) return false;
           sent += static_cast<std::size_t>(n);
         }
         return true;
       },
       [&](int fd) {
+        char* const in = aligned + receive_offset;
         const auto start = std::chrono::steady_clock::now();
         std::size_t got = 0;
         while (got < total) {
-          const ssize_t n = ::recv(fd, buffer.data(), buffer.size(), 0);
+          const ssize_t n = ::recv(fd, in, std::min(chunk, total - got), 0);
           if (n <= 0) break;
           got += static_cast<std::size_t>(n);
         }
         return static_cast<double>(got) / seconds(std::chrono::steady_clock::now() - start).count() / 1e9;
       });
+}
+
+// The one-way stream at several receive offsets, interleaved: median, lowest and highest of 9.
+int receive_offsets(bool csv) {
+  const std::size_t offsets[] = {0, 8, 16, 32, 64, 2048};
+  constexpr int rounds = 9;
+  std::vector<std::vector<double>> rates(std::size(offsets));
+  for (int round = 0; round < rounds; ++round) {
+    for (std::size_t i = 0; i < std::size(offsets); ++i) rates[i].push_back(tcp_stream_gbs(std::size_t{256} << 20, offsets[i]));
+    std::fprintf(stderr, "\rround %d of %d", round + 1, rounds);
+  }
+  std::fprintf(stderr, "\n");
+  if (csv) std::printf("receive_offset,median_gbs,min_gbs,max_gbs\n");
+  else std::printf("| receive offset in its page | median GB/s | lowest | highest |\n| ---: | ---: | ---: | ---: |\n");
+  for (std::size_t i = 0; i < std::size(offsets); ++i) {
+    auto& r = rates[i];
+    std::sort(r.begin(), r.end());
+    if (csv) std::printf("%zu,%.3f,%.3f,%.3f\n", offsets[i], r[r.size() / 2], r.front(), r.back());
+    else std::printf("| %zu | %.2f | %.2f | %.2f |\n", offsets[i], r[r.size() / 2], r.front(), r.back());
+  }
+  return 0;
 }
 
 // Both directions at once over one loopback connection, as a 2-rank ring all-reduce runs: each
@@ -253,24 +282,26 @@ int main(int argc, char** argv) {
   ddp::bench::sweep_options options;
   std::vector<std::string> rest;
   if (!ddp::bench::parse_common(argc, argv, options, rest)) return 2;
-  bool do_probe = false, copy = false, bandwidth = false, distance = false, bind = true;
+  bool do_probe = false, copy = false, bandwidth = false, distance = false, offsets = false, bind = true;
   for (std::size_t i = 0; i < rest.size(); ++i) {
     const auto& a = rest[i];
     if (a == "--probe") do_probe = true;
     else if (a == "--copy") copy = true;
     else if (a == "--bandwidth") bandwidth = true;
     else if (a == "--copy-distance") distance = true;
+    else if (a == "--receive-offset") offsets = true;
     else if (a == "--bind" && i + 1 < rest.size() && (rest[i + 1] == "cpus" || rest[i + 1] == "none")) bind = rest[++i] == "cpus";
     else {
-      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv] | --copy-distance [--csv]\n", a.c_str());
+      std::fprintf(stderr, "unknown flag %s\nusage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv] | --copy-distance [--csv] | --receive-offset [--csv]\n", a.c_str());
       return 2;
     }
   }
   if (do_probe) return probe(options, copy, bind);
   if (distance) return copy_distance(options.csv);
+  if (offsets) return receive_offsets(options.csv);
   if (bandwidth) {
     const std::size_t bytes = std::size_t{64} << 20;
-    const double one = memcpy_gbs(1, bytes), two = memcpy_gbs(2, bytes), tcp = tcp_stream_gbs(std::size_t{1} << 30);
+    const double one = memcpy_gbs(1, bytes), two = memcpy_gbs(2, bytes), tcp = tcp_stream_gbs(std::size_t{1} << 30, 16);
     const double duplex = tcp_duplex_gbs(std::size_t{1} << 30);
     if (options.csv) {
       std::printf("limit,value_gbs\nmemcpy_1thread,%.3f\nmemcpy_2threads,%.3f\ntcp_loopback_stream,%.3f\ntcp_loopback_duplex,%.3f\n", one, two,
@@ -286,6 +317,6 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv] | --copy-distance [--csv]\n");
+  std::fprintf(stderr, "usage: ddp_bench_limits --probe [--copy] [--bind cpus|none] [--csv] | --bandwidth [--csv] | --copy-distance [--csv] | --receive-offset [--csv]\n");
   return 2;
 }
