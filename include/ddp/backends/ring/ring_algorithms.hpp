@@ -37,6 +37,19 @@ namespace detail {
 struct ring_receive_chunks;
 struct ring_partial_sums;
 struct ring_own_block;
+struct ring_gather_landing;
+
+// A transport sets `lands_receives_page_aligned` when the kernel copies what it receives into
+// the receiver's memory (TCP): that copy is slower into a buffer that starts a few bytes into
+// its page, where a user's large std::vector starts, so the all-gather lands such a buffer's
+// blocks in page-aligned scratch and copies them into place, which pays from chunks of
+// `page_landing_min_bytes` (bench/README, "The receive buffer's place in its page").
+inline constexpr std::size_t page_landing_min_bytes = std::size_t{64} << 10;
+template <class T>
+constexpr bool lands_receives_page_aligned() {
+  if constexpr (requires { T::lands_receives_page_aligned; }) return T::lands_receives_page_aligned;
+  return false;
+}
 
 /// The elementwise work of the reduce-scatter phase with the element type E and the op erased,
 /// so that the phase (chunking, pipelining, headers) compiles once per transport and only these
@@ -174,6 +187,12 @@ void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadl
   auto progress = [&](std::size_t bytes_in) {
     if (hdr != nullptr) hdr->on_progress(bytes_in);
   };
+  constexpr std::size_t page = 4096;
+  const std::size_t chunk_bytes = (blocks.largest() + nchunks - 1) / nchunks * sizeof(E);
+  const bool land = lands_receives_page_aligned<T>() && chunk_bytes >= page_landing_min_bytes &&
+                    reinterpret_cast<std::uintptr_t>(data) % page != 0;
+  const scratch<ring_gather_landing> landing(land ? chunk_bytes + page : 0);
+  std::byte* const landing_page = landing.data() + (page - reinterpret_cast<std::uintptr_t>(landing.data()) % page) % page;
   for (int s = 0; s < p - 1; ++s) {
     const int send_block = mod(r - s, p), recv_block = mod(r - s - 1, p);
     const std::size_t send_len = blocks.size(send_block), recv_len = blocks.size(recv_block);
@@ -187,8 +206,9 @@ void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadl
       std::size_t no = 0, ni = 0;
       if (hdr != nullptr && s == 0 && c == 0) out[no++] = hdr->out(), inp[ni++] = hdr->in(prev);
       out[no++] = bytes_of(send_base + sa, sb - sa);
-      inp[ni++] = bytes_of(recv_base + ra, rb - ra);
+      inp[ni++] = land ? recv_piece(landing_page, (rb - ra) * sizeof(E)) : bytes_of(recv_base + ra, rb - ra);
       exchange(t, next, std::span<const send_piece>(out, no), prev, std::span<const recv_piece>(inp, ni), dl, progress);
+      if (land) ddp::detail::bulk_copy(reinterpret_cast<std::byte*>(recv_base + ra), landing_page, (rb - ra) * sizeof(E));
       if (hdr != nullptr) hdr->check();
     }
   }

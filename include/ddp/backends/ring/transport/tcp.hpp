@@ -278,6 +278,9 @@ class spin_policy {
 
 class tcp_transport {
  public:
+  /// The kernel copies every receive into place (algo::detail::lands_receives_page_aligned).
+  static constexpr bool lands_receives_page_aligned = true;
+
   /// `topology`: where the ranks run, when the caller has exchanged it already (the ring
   /// backend); without it the transport exchanges its own.
   tcp_transport(ddp::store::store& store, int rank, int size, std::string prefix, tcp_options opts = {}, const rank_topology* topology = nullptr)
