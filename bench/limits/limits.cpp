@@ -147,6 +147,12 @@ double over_loopback(Child child, Parent parent) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 && result > 0 ? result : 0.0;
 }
 
+// The first page boundary inside `memory`.
+char* first_page_of(std::vector<char>& memory) {
+  constexpr std::uintptr_t page = 4096;
+  return memory.data() + (page - reinterpret_cast<std::uintptr_t>(memory.data()) % page) % page;
+}
+
 // One way: the child sends `total` bytes from a page-aligned buffer, this process receives them
 // into a buffer `receive_offset` bytes into its page. The kernel's copy into user memory is slower
 // at some offsets (bench/README, "TCP against the loopback's limits"); --bandwidth receives
@@ -154,7 +160,7 @@ double over_loopback(Child child, Parent parent) {
 double tcp_stream_gbs(std::size_t total, std::size_t receive_offset) {
   constexpr std::size_t page = 4096, chunk = std::size_t{1} << 20;
   std::vector<char> memory(chunk + 2 * page, 7);
-  char* const aligned = memory.data() + (page - reinterpret_cast<std::uintptr_t>(memory.data()) % page) % page;
+  char* const aligned = first_page_of(memory);
   return over_loopback(
       [&](int fd) {
         for (std::size_t sent = 0; sent < total;) {
@@ -212,7 +218,7 @@ double tcp_duplex_gbs(std::size_t total) {
     // Page-aligned receives, the kernel's fastest case (tcp_stream_gbs).
     constexpr std::size_t page = 4096, chunk = std::size_t{1} << 20;
     std::vector<char> out(chunk, 7), memory(chunk + page);
-    char* const in = memory.data() + (page - reinterpret_cast<std::uintptr_t>(memory.data()) % page) % page;
+    char* const in = first_page_of(memory);
     const auto start = std::chrono::steady_clock::now();
     std::size_t sent = 0, got = 0;
     while (sent < total || got < total) {
@@ -244,7 +250,7 @@ template <class Copy>
 double copy_us(Copy copy, std::size_t bytes, std::size_t distance) {
   constexpr std::size_t page = 4096;
   std::vector<char> memory(2 * bytes + 4 * page, 1);
-  char* const src = memory.data() + (page - reinterpret_cast<std::uintptr_t>(memory.data()) % page) % page;
+  char* const src = first_page_of(memory);
   char* const dst = src + (bytes + page - 1) / page * page + page + distance;
   const int reps = static_cast<int>(std::max<std::size_t>(20, (std::size_t{64} << 20) / std::max<std::size_t>(bytes, 1) / 8));
   std::vector<double> times;

@@ -135,6 +135,9 @@ inline std::size_t chunk_first(std::size_t length, std::size_t n, std::size_t c)
   return length / n * c + std::min(c, length % n);
 }
 
+/// The largest of those chunks: chunk_first(length, n, 1).
+inline std::size_t chunk_largest(std::size_t length, std::size_t n) noexcept { return (length + n - 1) / n; }
+
 /// How many chunks a block of `elements` elements of `bytes_per_element` bytes is cut into.
 inline std::size_t chunk_count(std::size_t elements, std::size_t bytes_per_element, const algo_options& o) noexcept {
   const std::size_t per = std::max<std::size_t>(1, o.chunk_bytes / std::max<std::size_t>(1, bytes_per_element));

@@ -107,7 +107,7 @@ void reduce_scatter_phase(T& t, const std::byte* in, std::size_t count, std::byt
   in_place = in_place && !k.widens;
   const std::size_t largest = blocks.largest();
   const std::size_t nchunks = chunk_count(largest, ws, o);
-  const std::size_t chunk_max = (largest + nchunks - 1) / nchunks;
+  const std::size_t chunk_max = chunk_largest(largest, nchunks);
   // Two receive chunks and (unless in place) two blocks of partial sums, all of W elements.
   const scratch<ring_receive_chunks> received(2 * chunk_max * ws);
   std::byte* const rbuf[2] = {received.data(), received.data() + chunk_max * ws};
@@ -188,7 +188,7 @@ void all_gather_phase(T& t, E* data, std::size_t count, header_check* hdr, deadl
     if (hdr != nullptr) hdr->on_progress(bytes_in);
   };
   constexpr std::size_t page = 4096;
-  const std::size_t chunk_bytes = (blocks.largest() + nchunks - 1) / nchunks * sizeof(E);
+  const std::size_t chunk_bytes = chunk_largest(blocks.largest(), nchunks) * sizeof(E);
   const bool land = lands_receives_page_aligned<T>() && chunk_bytes >= page_landing_min_bytes &&
                     reinterpret_cast<std::uintptr_t>(data) % page != 0;
   const scratch<ring_gather_landing> landing(land ? chunk_bytes + page : 0);
