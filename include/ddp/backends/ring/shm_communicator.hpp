@@ -625,13 +625,22 @@ class shm_communicator {
   // ordinary stores. With more ranks than CPUs a reader often runs on this very core, whose cache
   // ordinary stores hit: ordinary stores.
   void copy_to_staging(void* dst, const void* src, std::size_t bytes, std::size_t chunk, bool streaming_chosen) const noexcept {
-    if (streaming_chosen && copy_choice_matters(chunk)) ddp::detail::streaming_copy(dst, src, bytes);
+    copy_with(streaming_chosen && copy_choice_matters(chunk), dst, src, bytes);
+  }
+
+  static void copy_with(bool streaming, void* dst, const void* src, std::size_t bytes) noexcept {
+    if (streaming) ddp::detail::streaming_copy(dst, src, bytes);
     else ddp::detail::bulk_copy(dst, src, bytes);
   }
 
   // Whether a call's copies into staging can be streamed at all, so that choosing matters: the
   // same on every rank (size and placement), so every rank counts the same calls of each kind.
   bool copy_choice_matters(std::size_t chunk) const noexcept { return chunk <= opts_.streaming_copy_bytes && !group_.oversubscribed(); }
+
+  // The direct path chooses at every size it takes, up to direct_bytes: its peers read the whole
+  // copy right after it is made, as they read a small staged chunk. With ordinary stores only,
+  // 256-512 KiB took 3-4x their usual time while a VM's two vCPUs sat far apart (bench/README).
+  bool direct_copy_choice_matters() const noexcept { return !group_.oversubscribed(); }
 
   // Before writing staging chunk g: every peer has finished reading chunk g - depth.
   void wait_reuse(std::uint64_t g, const collective_desc& d, deadline dl) {
@@ -685,7 +694,7 @@ class shm_communicator {
         return;
       }
       if (direct) {
-        auto way = copy_choice_matters(bytes) ? direct_copy_.begin() : detail::staging_copy_choice::call{};
+        auto way = direct_copy_choice_matters() ? direct_copy_.begin() : detail::staging_copy_choice::call{.streaming = false};
         direct_reduce(c, data, n, f, root, d, dl, way);
         direct_copy_.end(way, bytes);
         return;
@@ -735,7 +744,7 @@ class shm_communicator {
     const bool offer = allocations_ > 0 && (bytes > opts_.small_bytes || (bytes >= opts_.small_zero_copy_bytes && !group_.oversubscribed()));
     const auto mine = offer ? describe(data, bytes, false) : shm_direct::buffer_descriptor{};
     wait_staging_free(d, dl);
-    if (mine.kind != 1) copy_to_staging(direct_area(rank_, c, bytes), data, bytes, bytes, way.streaming);
+    if (mine.kind != 1) copy_with(way.streaming, direct_area(rank_, c, bytes), data, bytes);
     else way.timed = false;
     publish(c, d, nullptr, 0, &mine);
     enter(c, d, dl);
@@ -748,7 +757,7 @@ class shm_communicator {
         data_call = ++calls_;
         const shm_direct::buffer_descriptor staged{};
         way.timed = false;  // two rounds: not the time of either way of copying
-        copy_to_staging(direct_area(rank_, data_call, bytes), data, bytes, bytes, way.streaming);
+        copy_with(way.streaming, direct_area(rank_, data_call, bytes), data, bytes);
         publish(data_call, d, nullptr, 0, &staged);
         enter(data_call, d, dl);
       }
