@@ -639,7 +639,7 @@ class shm_communicator {
 
   // The direct path chooses at every size it takes, up to direct_bytes: its peers read the whole
   // copy right after it is made, as they read a small staged chunk. With ordinary stores only,
-  // 256-512 KiB took 3-4x their usual time while a VM's two vCPUs sat far apart (bench/README).
+  // its larger sizes slowed down most while a VM's two vCPUs sat far apart (bench/README).
   bool direct_copy_choice_matters() const noexcept { return !group_.oversubscribed(); }
 
   // Before writing staging chunk g: every peer has finished reading chunk g - depth.
