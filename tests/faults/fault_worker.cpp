@@ -9,14 +9,20 @@
 // Every all_reduce's result is checked against its closed form. A failure is one line on stderr,
 //   fault_worker rank=R pid=P error: <what()>   (exit 1)
 //   fault_worker rank=R pid=P wrong result: ...  (exit 3)
+// A SIGTERM (a launcher ending the survivors of a job) is announced before it takes its usual
+// effect, with its sender, so that the campaign knows which ranks a launcher ended and when:
+//   fault_worker rank=R pid=P terminated: SIGTERM from pid S
 // Options: --transport shm|tcp|hier (shm: backend "ring", which uses shared memory when every
 // rank is on this host; tcp: backend "tcp", TCP between local ranks too; hier: the ring backend's
 // hierarchy, with ranks 2h and 2h+1 posing as host h (ring_options::host_identity): shared memory
 // within a host, TCP between the hosts' leaders, registered as backend "hier"), --steps N, --count N (floats
 // per all_reduce), --prefix P (store key prefix; it is part of the shared-memory segment names,
 // which lets the campaign tell this job's segments from others').
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -28,7 +34,7 @@
 
 namespace {
 
-int rank_for_lines = -1;  // -1 until known: RANK from the environment
+int rank_for_lines = -1;  // -1 until known: the launcher's rank from the environment
 
 void line(std::FILE* f, const std::string& text) {
   // One write per line: the ranks share the launcher's pipes, and lines must not interleave.
@@ -38,6 +44,41 @@ void line(std::FILE* f, const std::string& text) {
 }
 
 void phase(const char* name) { line(stdout, std::string("phase=") + name); }
+
+// The SIGTERM line's text up to the sender's pid, made outside the handler (which may only call
+// async-signal-safe functions) whenever the rank becomes known.
+char terminated_prefix[96];
+std::size_t terminated_prefix_length = 0;
+
+void prepare_terminated_line() {
+  const std::string text = "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()) +
+                           " terminated: SIGTERM from pid ";
+  terminated_prefix_length = std::min(text.size(), sizeof terminated_prefix);
+  text.copy(terminated_prefix, terminated_prefix_length);
+}
+
+extern "C" void on_sigterm(int, siginfo_t* info, void*) {
+  char out[sizeof terminated_prefix + 24];
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < terminated_prefix_length; ++i) out[n++] = terminated_prefix[i];
+  char digits[16];
+  std::size_t d = 0;
+  for (long v = info->si_pid; d == 0 || v > 0; v /= 10) digits[d++] = static_cast<char>('0' + v % 10);
+  while (d > 0) out[n++] = digits[--d];
+  out[n++] = '\n';
+  [[maybe_unused]] const auto written = ::write(STDERR_FILENO, out, n);
+  ::signal(SIGTERM, SIG_DFL);  // then the usual end: death by SIGTERM
+  ::raise(SIGTERM);
+}
+
+void announce_sigterm() {
+  prepare_terminated_line();
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigterm;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
 
 struct wrong_result {
   std::string what;
@@ -101,7 +142,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (transport == "hier") ddp::register_backend("hier", make_hierarchical);
-  if (const char* r = std::getenv("RANK")) rank_for_lines = std::atoi(r);
+  // The rank as the launcher gives it (RANK, OMPI_COMM_WORLD_RANK, ...), so that a line printed
+  // before init_process_group returns still says whose it is; a bad environment is init's error.
+  try {
+    rank_for_lines = ddp::launch_environment::from_environment().rank;
+  } catch (const std::exception&) {
+  }
+  announce_sigterm();
   try {
     phase("rendezvous");
     ddp::init_options options;
@@ -109,6 +156,7 @@ int main(int argc, char** argv) {
     auto group = ddp::init_process_group(transport == "shm" ? "ring" : transport, options);
     const int world = group.size(), me = group.rank();
     rank_for_lines = me;
+    prepare_terminated_line();
 
     phase("allocate");
     // Several buffers, so that the window in which segments exist but are not yet mapped by

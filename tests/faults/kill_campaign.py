@@ -20,7 +20,8 @@ it checks:
   - under mpirun or torchrun, the launcher's report names the victim's death by signal 9 (or,
     when a survivor's failure reached it first, that survivor, whose own error names the victim);
     the launcher ends the survivors itself, so a survivor may end without an error line, but one
-    that prints one must name the victim;
+    that prints one must name the victim, or a rank the launcher had ended (SIGTERM, which
+    fault_worker announces with its sender) before the survivor noticed;
   - afterwards no process of the trial is left (every descendant is reaped: the campaign is a
     child subreaper, so orphans come back to it; and /proc is searched for the trial's
     DDP_JOB_ID), no new /dev/shm entry "ddp-*" carries the trial's tag (its store prefix and job
@@ -94,6 +95,7 @@ KNOWN_GAPS = {
 
 MARKER = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) phase=(\w+)$")
 FAILURE = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) (error|wrong result): (.*)$")
+TERMINATED = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) terminated: SIGTERM from pid (\d+)$")
 SELF_PREFIX = re.compile(r"^ddp: rank (\d+): ")
 NAMED_RANK = re.compile(r"\branks?(?:\(s\))? (\d+)\b")
 
@@ -408,11 +410,15 @@ def first_named_rank(ddp_line):
 def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before):
     r = {"fail": set(), "notes": trial.get("notes", []), "end": None, "detect": None, "killed": False, "trial": trial}
     victim = trial["victim"]
-    errors = {}  # rank -> (time, text) of its last error line
-    for t, stream, text in job.lines:
+    errors = {}  # rank -> (time, kind, text, place in job.lines) of its last error line
+    ended_by_launcher = {}  # rank -> place in job.lines of its line announcing the launcher's SIGTERM
+    for at, (t, stream, text) in enumerate(job.lines):
         m = FAILURE.match(text)
         if m:
-            errors[int(m.group(1))] = (t, m.group(3), m.group(4))
+            errors[int(m.group(1))] = (t, m.group(3), m.group(4), at)
+        m = TERMINATED.match(text)
+        if m and trial["mode"] in FOREIGN_LAUNCHERS and int(m.group(3)) == job.launcher:
+            ended_by_launcher.setdefault(int(m.group(1)), at)
             if m.group(3) == "wrong result":
                 r["fail"].add("wrong_result")
                 r["notes"].append(text)
@@ -444,7 +450,7 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                 pid = job.workers.get(rank)
                 finished = job.marker_time(rank, "done") is not None
                 if rank in errors:
-                    t, kind, what = errors[rank]
+                    t, kind, what, at = errors[rank]
                     detect.append(t - kill_time)
                     if kind != "error":
                         continue
@@ -452,6 +458,11 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                     if named is None:
                         r["fail"].add("unnamed")
                         r["notes"].append("rank %d names no rank: %s" % (rank, what))
+                    elif named != victim and ended_by_launcher.get(named, len(job.lines)) < at:
+                        # mpirun and torchrun end the survivors themselves once they see a rank
+                        # die; one they ended before this rank noticed the victim is as dead.
+                        r["notes"].append("rank %d names rank %d, which %s had ended (SIGTERM) before: %s" %
+                                          (rank, named, trial["mode"], what))
                     elif named != victim:
                         r["fail"].add("wrong_rank")
                         r["notes"].append("rank %d names rank %d, not %d: %s" % (rank, named, victim, what))
@@ -513,7 +524,7 @@ def check_summary(trial, job, errors, victim, r):
         r["notes"].append("ddprun's first line about a rank: %s" % (cause or "(none)"))
     # Each survivor's error line appears once as its own output and once more in the summary.
     everything = "\n".join(text for _, _, text in job.lines)
-    for rank, (_, kind, what) in errors.items():
+    for rank, (_, kind, what, _) in errors.items():
         if everything.count(what) < 2:
             r["fail"].add("summary_errors")
             r["notes"].append("rank %d's error is not in ddprun's summary" % rank)
