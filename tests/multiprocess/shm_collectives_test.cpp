@@ -2,7 +2,6 @@
 // group size, for ordinary (staged) and group-allocated (zero-copy) buffers, against references
 // computed here in float64 (floats, with a tolerance) or exactly (integers), from inputs that are a
 // function of (rank, index). All-reduce results are also compared bit for bit across ranks.
-#include <dirent.h>
 #include <sys/mman.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -26,6 +25,7 @@
 #include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
 #include "ddp/store/hash_store.hpp"
+#include "support/leaks.hpp"
 #include "support/multiprocess.hpp"
 #include "support/sizes.hpp"
 
@@ -33,6 +33,7 @@
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_shm_collectives {
 
+using ddp::test::shm_entries;
 using namespace std::chrono_literals;
 using ddp::collective;
 using ddp::reduce_kind;
@@ -42,16 +43,6 @@ namespace {
 
 const std::vector<std::size_t> all_sizes = {0, 1, 7, 1023, ddp::test::large_count};
 const std::vector<int> group_sizes = {1, 2, 3, 4, 8};
-
-std::vector<std::string> shm_entries(const std::string& needle) {
-  std::vector<std::string> out;
-  if (DIR* d = ::opendir("/dev/shm")) {
-    while (dirent* e = ::readdir(d))
-      if (std::string(e->d_name).find(needle) != std::string::npos) out.push_back(e->d_name);
-    ::closedir(d);
-  }
-  return out;
-}
 
 // Runs fn(rank, comm) on p forked ranks; fails the test case on any rank's failure or a leftover segment.
 template <class Fn>

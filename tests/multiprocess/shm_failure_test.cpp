@@ -1,7 +1,6 @@
 // shm_communicator failure behaviour with forked ranks: a SIGKILLed peer is errc::peer_lost naming
 // it on every survivor within 2 s (measured), with nothing left in /dev/shm; mismatched calls are
 // errc::mismatch on every rank; deadlines are errc::timeout; abort() unblocks; no descriptor leaks.
-#include <dirent.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -19,37 +18,21 @@
 #include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
 #include "ddp/backends/ring/transport/shm.hpp"
+#include "support/leaks.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_shm_failure {
 
+using ddp::test::shm_entries;
+using ddp::test::open_fds;
 using namespace std::chrono_literals;
 using ddp::collective;
 using comm_t = ddp::algo::shm_communicator;
 using ddp::test::check;
 
 namespace {
-
-std::vector<std::string> shm_entries(const std::string& needle) {
-  std::vector<std::string> out;
-  if (DIR* d = ::opendir("/dev/shm")) {
-    while (dirent* e = ::readdir(d))
-      if (std::string(e->d_name).find(needle) != std::string::npos) out.push_back(e->d_name);
-    ::closedir(d);
-  }
-  return out;
-}
-
-int open_fds() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (::readdir(d) != nullptr) ++n;
-    ::closedir(d);
-  }
-  return n;
-}
 
 std::int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(ddp::clock::now().time_since_epoch()).count(); }
 

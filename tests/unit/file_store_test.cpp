@@ -1,6 +1,5 @@
 // file_store: cross-process atomicity, crash recovery, fork safety, descriptor hygiene.
 // (The operation semantics shared by every store are checked in hash_store_test.cpp.)
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,12 +10,14 @@
 #include <string>
 
 #include "ddp/store/file_store.hpp"
+#include "support/leaks.hpp"
 #include "support/multiprocess.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_file_store {
 
+using ddp::test::open_fds;
 using namespace std::chrono_literals;
 using ddp::store::file_store;
 
@@ -31,15 +32,6 @@ struct temp_path {
   }
   ~temp_path() { ::unlink(path.c_str()); }
 };
-
-int open_fds() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (::readdir(d) != nullptr) ++n;
-    ::closedir(d);
-  }
-  return n;
-}
 
 std::string file_text(const std::string& path) {
   std::string out;

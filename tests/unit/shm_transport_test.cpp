@@ -1,6 +1,5 @@
 // shm_transport with ranks as threads of one process (hash_store): streams arrive intact and in
 // order, send_recv is full duplex, abort() and deadlines end waits, and nothing stays in /dev/shm.
-#include <dirent.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -15,32 +14,17 @@
 #include "ddp/store/hash_store.hpp"
 #include "ddp/backends/ring/transport/shm.hpp"
 
+#include "support/leaks.hpp"
+
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_shm_transport {
 
+using ddp::test::shm_entries;
+using ddp::test::open_fds;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::vector<std::string> shm_entries(const std::string& needle) {
-  std::vector<std::string> out;
-  if (DIR* d = ::opendir("/dev/shm")) {
-    while (dirent* e = ::readdir(d))
-      if (std::string(e->d_name).find(needle) != std::string::npos) out.push_back(e->d_name);
-    ::closedir(d);
-  }
-  return out;
-}
-
-int open_fds() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (::readdir(d) != nullptr) ++n;
-    ::closedir(d);
-  }
-  return n;
-}
 
 // Byte i of the stream from `src` to `dst`: independent of the code under test.
 std::byte pattern(int src, int dst, std::size_t i) {

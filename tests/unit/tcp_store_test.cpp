@@ -1,6 +1,5 @@
 // tcp_store: hashing and framing units, then a live server under hostile, slow and dying peers.
 // (The operation semantics shared by every store are checked in hash_store_test.cpp.)
-#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 #include "ddp/store/detail/frame.hpp"
 #include "ddp/store/detail/hmac_sha256.hpp"
 #include "ddp/store/tcp_store.hpp"
+#include "support/leaks.hpp"
 #include "support/log_capture.hpp"
 #include "support/loopback_listener.hpp"
 #include "support/multiprocess.hpp"
@@ -26,6 +26,7 @@
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_tcp_store {
 
+using ddp::test::open_fds;
 using namespace std::chrono_literals;
 namespace ds = ddp::store::detail;
 using ddp::store::tcp_store;
@@ -62,15 +63,6 @@ std::vector<std::byte> client_hello(std::uint16_t version = ds::protocol_version
 std::vector<std::byte> zero_proof(std::string_view job = {}) {
   const ds::digest zeros{};
   return ds::encode_client_proof(zeros, job);
-}
-
-int open_fds() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (::readdir(d) != nullptr) ++n;
-    ::closedir(d);
-  }
-  return n;
 }
 
 using ddp::test::log_capture;

@@ -2,7 +2,6 @@
 // deadlines, peer loss, abort from another thread, strangers on the port, fd hygiene, addresses,
 // busy-polling before sleeping (budget, adaptation, deadline and abort while spinning).
 // Ranks are threads sharing a hash_store; every blocking call has a deadline.
-#include <dirent.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -19,12 +18,14 @@
 
 #include "ddp/store/hash_store.hpp"
 #include "ddp/backends/ring/transport/tcp.hpp"
+#include "support/leaks.hpp"
 #include "support/threads.hpp"
 
 // Everything of this file in its own namespace: the test suites compile several files as one
 // translation unit (tests/CMakeLists.txt), where file-local helpers must not collide.
 namespace ddp_test_tcp_transport {
 
+using ddp::test::open_fds;
 using namespace std::chrono_literals;
 
 namespace {
@@ -41,15 +42,6 @@ std::vector<std::byte> pattern(int rank, std::size_t n) {
   std::vector<std::byte> v(n);
   for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + static_cast<std::size_t>(rank) * 17 + i / 4096) & 0xff);
   return v;
-}
-
-int open_fds() {
-  int n = 0;
-  DIR* d = ::opendir("/proc/self/fd");
-  if (d == nullptr) return -1;
-  while (::readdir(d) != nullptr) ++n;
-  ::closedir(d);
-  return n;
 }
 
 // Waits (bounded) for the other side to close: true if EOF or reset is seen within `within`.
