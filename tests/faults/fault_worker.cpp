@@ -7,11 +7,13 @@
 //   fault_worker rank=R pid=P phase=shutdown     before the last barrier and the group's end
 //   fault_worker rank=R pid=P phase=done         after the group has ended
 // Every all_reduce's result is checked against its closed form. A failure is one line on stderr,
-//   fault_worker rank=R pid=P error: <what()>   (exit 1)
-//   fault_worker rank=R pid=P wrong result: ...  (exit 3)
+//   fault_worker rank=R pid=P t=T error: <what()>   (exit 1)
+//   fault_worker rank=R pid=P t=T wrong result: ...  (exit 3)
 // A SIGTERM (a launcher ending the survivors of a job) is announced before it takes its usual
 // effect, with its sender, so that the campaign knows which ranks a launcher ended and when:
-//   fault_worker rank=R pid=P terminated: SIGTERM from pid S
+//   fault_worker rank=R pid=P t=T terminated: SIGTERM from pid S
+// T is CLOCK_MONOTONIC in nanoseconds when the line was made: a launcher that relays the ranks'
+// output (mpirun) may reorder lines of different ranks, so the campaign orders them by T.
 // Options: --transport shm|tcp|hier (shm: backend "ring", which uses shared memory when every
 // rank is on this host; tcp: backend "tcp", TCP between local ranks too; hier: the ring backend's
 // hierarchy, with ranks 2h and 2h+1 posing as host h (ring_options::host_identity): shared memory
@@ -19,6 +21,7 @@
 // per all_reduce), --prefix P (store key prefix; it is part of the shared-memory segment names,
 // which lets the campaign tell this job's segments from others').
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -45,26 +48,48 @@ void line(std::FILE* f, const std::string& text) {
 
 void phase(const char* name) { line(stdout, std::string("phase=") + name); }
 
+// CLOCK_MONOTONIC in nanoseconds, the campaign's clock too (Python's time.monotonic);
+// async-signal-safe.
+long long monotonic_ns() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// A line that the campaign orders by time: "t=T <text>".
+void timed_line(const std::string& text) { line(stderr, "t=" + std::to_string(monotonic_ns()) + " " + text); }
+
 // The SIGTERM line's text up to the sender's pid, made outside the handler (which may only call
 // async-signal-safe functions) whenever the rank becomes known.
 char terminated_prefix[96];
 std::size_t terminated_prefix_length = 0;
 
 void prepare_terminated_line() {
-  const std::string text = "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()) +
-                           " terminated: SIGTERM from pid ";
+  const std::string text = "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()) + " t=";
   terminated_prefix_length = std::min(text.size(), sizeof terminated_prefix);
   text.copy(terminated_prefix, terminated_prefix_length);
 }
 
+// Appends the decimal digits of v >= 0 at out + n; returns the new length. Async-signal-safe.
+std::size_t append_decimal(char* out, std::size_t n, long long v) noexcept {
+  char digits[24];
+  std::size_t d = 0;
+  do {
+    digits[d++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v > 0);
+  while (d > 0) out[n++] = digits[--d];
+  return n;
+}
+
 extern "C" void on_sigterm(int, siginfo_t* info, void*) {
-  char out[sizeof terminated_prefix + 24];
+  static constexpr char middle[] = " terminated: SIGTERM from pid ";
+  char out[sizeof terminated_prefix + sizeof middle + 48];
   std::size_t n = 0;
   for (std::size_t i = 0; i < terminated_prefix_length; ++i) out[n++] = terminated_prefix[i];
-  char digits[16];
-  std::size_t d = 0;
-  for (long v = info->si_pid; d == 0 || v > 0; v /= 10) digits[d++] = static_cast<char>('0' + v % 10);
-  while (d > 0) out[n++] = digits[--d];
+  n = append_decimal(out, n, monotonic_ns());
+  for (std::size_t i = 0; i + 1 < sizeof middle; ++i) out[n++] = middle[i];
+  n = append_decimal(out, n, info->si_pid);
   out[n++] = '\n';
   [[maybe_unused]] const auto written = ::write(STDERR_FILENO, out, n);
   ::signal(SIGTERM, SIG_DFL);  // then the usual end: death by SIGTERM
@@ -183,10 +208,10 @@ int main(int argc, char** argv) {
     phase("done");
     return 0;
   } catch (const wrong_result& e) {
-    line(stderr, "wrong result: " + e.what);
+    timed_line("wrong result: " + e.what);
     return 3;
   } catch (const std::exception& e) {
-    line(stderr, std::string("error: ") + e.what());
+    timed_line(std::string("error: ") + e.what());
     return 1;
   }
 }

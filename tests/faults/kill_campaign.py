@@ -94,8 +94,10 @@ KNOWN_GAPS = {
 }
 
 MARKER = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) phase=(\w+)$")
-FAILURE = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) (error|wrong result): (.*)$")
-TERMINATED = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) terminated: SIGTERM from pid (\d+)$")
+# t=: the worker's CLOCK_MONOTONIC when it made the line. mpirun relays each rank's output on its
+# own and may reorder lines of different ranks, so lines are ordered by it, not by arrival.
+FAILURE = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) t=(\d+) (error|wrong result): (.*)$")
+TERMINATED = re.compile(r"^fault_worker rank=(-?\d+) pid=(\d+) t=(\d+) terminated: SIGTERM from pid (\d+)$")
 SELF_PREFIX = re.compile(r"^ddp: rank (\d+): ")
 NAMED_RANK = re.compile(r"\branks?(?:\(s\))? (\d+)\b")
 
@@ -410,18 +412,18 @@ def first_named_rank(ddp_line):
 def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before):
     r = {"fail": set(), "notes": trial.get("notes", []), "end": None, "detect": None, "killed": False, "trial": trial}
     victim = trial["victim"]
-    errors = {}  # rank -> (time, kind, text, place in job.lines) of its last error line
-    ended_by_launcher = {}  # rank -> place in job.lines of its line announcing the launcher's SIGTERM
-    for at, (t, stream, text) in enumerate(job.lines):
+    errors = {}  # rank -> (arrival time, kind, text, the worker's t=) of its last error line
+    ended_by_launcher = {}  # rank -> the worker's t= when the launcher's SIGTERM reached it
+    for t, stream, text in job.lines:
         m = FAILURE.match(text)
         if m:
-            errors[int(m.group(1))] = (t, m.group(3), m.group(4), at)
-        m = TERMINATED.match(text)
-        if m and trial["mode"] in FOREIGN_LAUNCHERS and int(m.group(3)) == job.launcher:
-            ended_by_launcher.setdefault(int(m.group(1)), at)
-            if m.group(3) == "wrong result":
+            errors[int(m.group(1))] = (t, m.group(4), m.group(5), int(m.group(3)))
+            if m.group(4) == "wrong result":
                 r["fail"].add("wrong_result")
                 r["notes"].append(text)
+        m = TERMINATED.match(text)
+        if m and trial["mode"] in FOREIGN_LAUNCHERS and int(m.group(4)) == job.launcher:
+            ended_by_launcher.setdefault(int(m.group(1)), int(m.group(3)))
     last_exit = max((t for t, _ in job.exits.values()), default=time.monotonic())
     if trial["mode"] in FOREIGN_LAUNCHERS and job.ranks_gone and kill_time is not None and kill_time > 0:
         # The job's end is its last rank's: the launcher lingers on after its ranks are gone.
@@ -450,7 +452,7 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                 pid = job.workers.get(rank)
                 finished = job.marker_time(rank, "done") is not None
                 if rank in errors:
-                    t, kind, what, at = errors[rank]
+                    t, kind, what, made = errors[rank]
                     detect.append(t - kill_time)
                     if kind != "error":
                         continue
@@ -458,7 +460,7 @@ def evaluate(args, trial, job, t0, kill_time, victim_pid, shm_before, fds_before
                     if named is None:
                         r["fail"].add("unnamed")
                         r["notes"].append("rank %d names no rank: %s" % (rank, what))
-                    elif named != victim and ended_by_launcher.get(named, len(job.lines)) < at:
+                    elif named != victim and named in ended_by_launcher and ended_by_launcher[named] < made:
                         # mpirun and torchrun end the survivors themselves once they see a rank
                         # die; one they ended before this rank noticed the victim is as dead.
                         r["notes"].append("rank %d names rank %d, which %s had ended (SIGTERM) before: %s" %
@@ -687,7 +689,7 @@ def main():
             for n in r["notes"]:
                 print("      " + n, flush=True)
         if args.verbose:
-            for rank, (_, kind, what) in sorted(r["errors"].items()):
+            for rank, (_, kind, what, _) in sorted(r["errors"].items()):
                 print("      rank %d %s: %s" % (rank, kind, what), flush=True)
     killed = [r for r in results if r["killed"]]
     correct = [r for r in killed if not r["fail"] and not r["gap"]]
