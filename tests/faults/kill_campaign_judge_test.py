@@ -8,6 +8,7 @@ import sys
 import time
 import types
 
+sys.dont_write_bytecode = True  # importing the campaign leaves no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kill_campaign as campaign  # noqa: E402
 
