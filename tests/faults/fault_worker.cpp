@@ -39,9 +39,12 @@ namespace {
 
 int rank_for_lines = -1;  // -1 until known: the launcher's rank from the environment
 
+// "fault_worker rank=R pid=P", the start of every line.
+std::string line_prefix() { return "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()); }
+
 void line(std::FILE* f, const std::string& text) {
   // One write per line: the ranks share the launcher's pipes, and lines must not interleave.
-  const std::string out = "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()) + " " + text + "\n";
+  const std::string out = line_prefix() + " " + text + "\n";
   std::fputs(out.c_str(), f);
   std::fflush(f);
 }
@@ -65,7 +68,7 @@ char terminated_prefix[96];
 std::size_t terminated_prefix_length = 0;
 
 void prepare_terminated_line() {
-  const std::string text = "fault_worker rank=" + std::to_string(rank_for_lines) + " pid=" + std::to_string(::getpid()) + " t=";
+  const std::string text = line_prefix() + " t=";
   terminated_prefix_length = std::min(text.size(), sizeof terminated_prefix);
   text.copy(terminated_prefix, terminated_prefix_length);
 }
@@ -94,6 +97,12 @@ extern "C" void on_sigterm(int, siginfo_t* info, void*) {
   [[maybe_unused]] const auto written = ::write(STDERR_FILENO, out, n);
   ::signal(SIGTERM, SIG_DFL);  // then the usual end: death by SIGTERM
   ::raise(SIGTERM);
+}
+
+// The rank that lines name from now on (the SIGTERM line's text follows it).
+void set_rank_for_lines(int rank) {
+  rank_for_lines = rank;
+  prepare_terminated_line();
 }
 
 void announce_sigterm() {
@@ -180,8 +189,7 @@ int main(int argc, char** argv) {
     options.prefix = prefix;
     auto group = ddp::init_process_group(transport == "shm" ? "ring" : transport, options);
     const int world = group.size(), me = group.rank();
-    rank_for_lines = me;
-    prepare_terminated_line();
+    set_rank_for_lines(me);
 
     phase("allocate");
     // Several buffers, so that the window in which segments exist but are not yet mapped by

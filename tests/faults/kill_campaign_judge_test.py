@@ -35,10 +35,12 @@ class Job:
         pass
 
 
+# The victim, rank 1, was killed during its steps; mpirun's own report is judged elsewhere.
+campaign.victim_ended_anyway = lambda job, victim, pid: False
+campaign.check_mpirun_report = lambda *unused: None
+
+
 def judge(lines):
-    # The victim is rank 1, killed during its steps; the launcher's own report is checked elsewhere.
-    campaign.victim_ended_anyway = lambda job, victim, pid: False
-    campaign.check_mpirun_report = lambda *unused: None
     args = types.SimpleNamespace(end_bound=3.0, keep_shm=False)
     trial = {"victim": 1, "mode": "mpirun", "phase": "step", "watch": 1, "index": 0, "notes": []}
     r = campaign.evaluate(args, trial, Job(lines), 0.0, time.monotonic() - 0.01, 11, campaign.shm_entries(),
