@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -17,6 +18,7 @@
 
 #include "ddp/backends/ring/shm_communicator.hpp"
 #include "ddp/store/file_store.hpp"
+#include "ddp/store/hash_store.hpp"
 #include "ddp/backends/ring/transport/shm.hpp"
 #include "support/leaks.hpp"
 #include "support/multiprocess.hpp"
@@ -305,6 +307,38 @@ TEST_CASE("shm failure: a rank that fails outside a collective, with no peer her
   INFO(run.result.describe());
   CHECK(run.result.ok());
   CHECK(run.leftovers.empty());
+}
+
+TEST_CASE("shm failure: a rank whose set-up fails says why in the store, and a peer that finds it exited quotes that") {
+  // Rank 1 is played by the test: it "published" its segment as a process that has exited, as a
+  // rank does that fails in set-up (another rank died) and exits before its peers map it.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof host - 1) == 0);
+  const std::string tag = "shmpost" + std::to_string(::getpid());
+  const auto set_up = [&](ddp::store::hash_store& st, const std::string& prefix) {
+    st.set_string(prefix + "shm/t/ready/1", std::to_string(child) + " 3 " + host);
+    ddp::detail::shm::shm_group group(st, prefix, "t", 0, 2, 4096, ddp::deadline::after(10s));
+  };
+  SECTION("rank 1 posted its cause before it exited: it is quoted first, rank 1 as its messenger") {
+    ddp::store::hash_store st;
+    const std::string cause = "peer rank 7 (pid 1) exited before its shared memory was mapped";
+    st.set_string(tag + "/shm/t/failed/1", cause);
+    const auto e = expect_error(ddp::errc::peer_lost, {cause + "; relayed by rank 1 before it exited"}, [&] { set_up(st, tag + "/"); });
+    CHECK(std::string(e.what()).find("rank 7") < std::string(e.what()).find("rank 1 "));
+    CHECK(st.get_string(tag + "/shm/t/failed/0") == e.message());  // and rank 0 posts what it says
+  }
+  SECTION("rank 1 posted nothing: its exit is the news, and rank 0 posts that") {
+    ddp::store::hash_store st;
+    const auto e = expect_error(ddp::errc::peer_lost, {"peer rank 1 (pid " + std::to_string(child) + ") exited before its shared memory was mapped"},
+                                [&] { set_up(st, tag + "b/"); });
+    CHECK(std::string(e.what()).find("relayed") == std::string::npos);
+    CHECK(st.get_string(tag + "b/shm/t/failed/0") == e.message());
+  }
+  CHECK(shm_entries(tag).empty());
 }
 
 TEST_CASE("shm failure: a communicator with shared buffers leaves no descriptor and no segment behind") {

@@ -84,6 +84,7 @@ class shm_group {
     try {
       set_up(st, prefix, tag, rank, size, dl, reserved_payload, topology);
     } catch (const error& e) {
+      post_failure(st, keys_of(prefix, tag), e);
       if (e.rank() >= 0) throw;
       auto c = e.context();  // the reporting rank, so that its line says who it is
       c.rank = numbering_(rank);
@@ -104,14 +105,14 @@ class shm_group {
         }
       }
     }
-    const std::string keys = prefix + "shm/" + tag + "/";
+    const std::string keys = keys_of(prefix, tag);
     const std::string job_key = keys + "job";
     std::string job;
     if (rank == 0) {
       job = random_job_id();
       st.set_string(job_key, job);
     } else {
-      store_wait(st, {job_key}, {0}, dl, "publish the group's identity");
+      store_wait(st, keys, {job_key}, {0}, dl, "publish the group's identity");
       job = st.get_string(job_key);
     }
     base_ = segment_name(prefix, job, tag);
@@ -134,7 +135,7 @@ class shm_group {
     for (int r = 0; r < size; ++r) ready.push_back(keys + "ready/" + std::to_string(r));
     std::vector<int> owners;
     for (int r = 0; r < size; ++r) owners.push_back(r);
-    store_wait(st, ready, owners, dl, "publish its segment");
+    store_wait(st, keys, ready, owners, dl, "publish its segment");
     pids_.assign(static_cast<std::size_t>(size), 0);
     pids_[static_cast<std::size_t>(rank)] = ::getpid();
     for (int r = 0; r < size; ++r) {
@@ -155,7 +156,7 @@ class shm_group {
         seg = shm_segment::open(static_cast<pid_t>(peer_pid), peer_fd, bytes, "peer " + numbering_.rank(r));
       } catch (const error& e) {
         if (e.code() != errc::peer_lost) throw;
-        peer_exited(st, e.message());
+        peer_exited(st, keys, r, e.message());
       }
       const auto* id = identity_of(seg.data());
       if (id->magic != identity::magic_value || id->rank != r || id->size != size) {
@@ -169,7 +170,7 @@ class shm_group {
     st.set_string(keys + "mapped/" + std::to_string(rank), "1");
     std::vector<std::string> mapped;
     for (int r = 0; r < size; ++r) mapped.push_back(keys + "mapped/" + std::to_string(r));
-    store_wait(st, mapped, owners, dl, "map the others' segments");
+    store_wait(st, keys, mapped, owners, dl, "map the others' segments");
     segments_[static_cast<std::size_t>(rank)].close_descriptor();
   }
 
@@ -405,18 +406,42 @@ class shm_group {
     std::terminate();
   }
 
-  /// errc::peer_lost for a peer seen exited (`seen`), which may have exited because another rank
-  /// died: the store's news of that one comes first.
-  [[noreturn]] static void peer_exited(ddp::store::store& st, const std::string& seen) {
+  static std::string keys_of(const std::string& prefix, const std::string& tag) { return prefix + "shm/" + tag + "/"; }
+  static std::string failure_key(const std::string& keys, int r) { return keys + "failed/" + std::to_string(r); }
+
+  /// A rank whose set-up fails says why in the store before its error leaves the constructor,
+  /// so before it can exit: a peer that then finds it gone quotes the cause (peer_exited) instead
+  /// of naming the messenger. A store that failed gets no post: it is the cause, and the peers see it too.
+  void post_failure(ddp::store::store& st, const std::string& keys, const error& e) const noexcept {
+    if (e.code() == errc::store) return;
+    try {
+      st.set_string(failure_key(keys, rank_), e.message());
+    } catch (...) {  // a courtesy to the peers: its failure must not mask this one
+    }
+  }
+
+  /// errc::peer_lost for peer r seen exited (`seen`), which may have exited because another rank
+  /// died: the store's news of that one comes first (its server saw the connection close), then
+  /// what r posted before it exited (post_failure), which names the rank that r saw fail.
+  [[noreturn]] void peer_exited(ddp::store::store& st, const std::string& keys, int r, const std::string& seen) const {
     if (auto news = ddp::store::departure_news(st); !news.empty()) throw error(errc::peer_lost, news + " (and " + seen + ")");
+    const std::string posted = failure_key(keys, r);
+    std::string cause;
+    try {
+      st.wait({posted}, std::chrono::milliseconds(0));  // posted before r exited, so no wait
+      cause = st.get_string(posted);
+    } catch (const error&) {  // nothing posted: r's exit is the news
+    }
+    if (!cause.empty()) throw error(errc::peer_lost, cause + "; relayed by " + numbering_.rank(r) + " before it exited");
     throw error(errc::peer_lost, seen);
   }
 
-  /// A set-up wait for keys[i], published by rank owners[i]. It waits in short slices and between
-  /// them looks at the peers it watches (known after 'ready'): one that exited ends the wait at
-  /// once. Failures name the ranks whose keys are missing, not the keys.
-  void store_wait(ddp::store::store& st, const std::vector<std::string>& keys, const std::vector<int>& owners, deadline dl,
-                  const std::string& what) const {
+  /// A set-up wait for keys[i], published by rank owners[i], of the group whose keys start with
+  /// `group_keys` (keys_of). It waits in short slices and between them looks at the peers it
+  /// watches (known after 'ready'): one that exited ends the wait at once. Failures name the ranks
+  /// whose keys are missing, not the keys.
+  void store_wait(ddp::store::store& st, const std::string& group_keys, const std::vector<std::string>& keys,
+                  const std::vector<int>& owners, deadline dl, const std::string& what) const {
     constexpr std::chrono::milliseconds slice{100};
     constexpr auto look_every = std::chrono::seconds(1);  // how often the missing ranks are asked for
     const auto total = dl.remaining();
@@ -462,7 +487,7 @@ class shm_group {
         if (e.code() != errc::timeout) throw error(e.code(), "shared-memory setup: " + e.message(), e.context());
       }
       if (const auto dead = watch_.first_dead()) {
-        peer_exited(st, numbering_.rank(dead->rank) + " (pid " + std::to_string(dead->pid) +
+        peer_exited(st, group_keys, dead->rank, numbering_.rank(dead->rank) + " (pid " + std::to_string(dead->pid) +
                             ") exited during shared-memory setup, while this rank waited for it to " + what);
       }
       if (dl.expired()) {
