@@ -18,6 +18,7 @@
 
 #include "ddp/store/hash_store.hpp"
 #include "ddp/backends/ring/transport/tcp.hpp"
+#include "ddp/launch/root_cause.hpp"
 #include "support/leaks.hpp"
 #include "support/threads.hpp"
 
@@ -249,6 +250,40 @@ TEST_CASE("tcp: strangers on a rank's port are rejected without disturbing the g
   }
   group.join();
   if (failure) std::rethrow_exception(failure);
+}
+
+TEST_CASE("tcp: a peer that resets the connection in the handshake is named as gone, which a launcher reads as a consequence") {
+  // Rank 0 is played by the test: it takes rank 1's hello and resets the connection, as a rank
+  // does that exits (another rank died) while its peers connect. Launchers name the root cause
+  // by telling such lines from causes of a rank's own (ddp/launch/root_cause.hpp).
+  ddp::store::hash_store store;
+  auto listener = ddp::detail::tcp::listen_ephemeral("127.0.0.1", 4);
+  store.set_string("reset/tcp/addr/0", "127.0.0.1:" + std::to_string(ddp::detail::tcp::port_of(listener.get())) + " " +
+                                           ddp::detail::tcp::to_hex(ddp::detail::tcp::nonce{}));
+  std::thread rank0([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    if (::poll(&p, 1, 20000) != 1) return;
+    ddp::detail::tcp::unique_fd c(::accept(listener.get(), nullptr, nullptr));
+    if (!c) return;
+    unsigned char hello[ddp::detail::tcp::hello_size];
+    ddp::detail::tcp::read_all(c.get(), hello, sizeof hello, ddp::deadline::after(20s), "rank 1");
+    const linger reset{1, 0};  // close with RST, as the kernel does for an exiting process's unread data
+    ::setsockopt(c.get(), SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+  });
+  auto o = short_setup();
+  o.listen_address = "127.0.0.1";
+  std::string message;
+  try {
+    ddp::tcp_transport t(store, 1, 2, "reset", o);
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::peer_lost);
+    message = e.what();
+  }
+  rank0.join();
+  INFO(message);
+  CHECK(message.find("peer rank 0 at 127.0.0.1:") != std::string::npos);
+  CHECK(message.find("reset the connection during the handshake") != std::string::npos);
+  CHECK(ddp::detail::is_consequence(message, "ddprun"));
 }
 
 TEST_CASE("tcp: building, using and destroying a mesh leaves no file descriptor behind") {

@@ -152,6 +152,15 @@ inline nonce random_nonce() {
   return n;
 }
 
+/// A handshake's socket error, worded as the transport's lost() words it later: a peer that
+/// exited or aborted is named as the one that went, which launchers read as another rank's
+/// failure (ddp/launch/root_cause.hpp), not as a cause of this rank's own.
+[[noreturn]] inline void handshake_failed(const std::string& who, const char* call, int err) {
+  if (err == ECONNRESET) throw error(errc::peer_lost, "peer " + who + " reset the connection during the handshake (it exited or aborted)");
+  if (err == EPIPE) throw error(errc::peer_lost, "peer " + who + " closed the connection during the handshake");
+  throw error(errc::peer_lost, system_message(std::string(call) + who, err));
+}
+
 /// Writes all of `bytes` on a non-blocking socket before the deadline (rendezvous only).
 inline void write_all(int fd, const unsigned char* bytes, std::size_t n, deadline dl, const std::string& who) {
   std::size_t done = 0;
@@ -161,7 +170,7 @@ inline void write_all(int fd, const unsigned char* bytes, std::size_t n, deadlin
       done += static_cast<std::size_t>(w);
       continue;
     }
-    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw error(errc::peer_lost, system_message("send to " + who));
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) handshake_failed(who, "send to ", errno);
     pollfd p{fd, POLLOUT, 0};
     if (::poll(&p, 1, dl.poll_timeout_ms()) == 0) throw error(errc::timeout, "timed out sending the hello to " + who);
   }
@@ -176,7 +185,7 @@ inline void read_all(int fd, unsigned char* bytes, std::size_t n, deadline dl, c
       continue;
     }
     if (r == 0) throw error(errc::peer_lost, who + " closed the connection during the handshake");
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw error(errc::peer_lost, system_message("recv from " + who));
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) handshake_failed(who, "recv from ", errno);
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, dl.poll_timeout_ms()) == 0) throw error(errc::timeout, "timed out waiting for the answer of " + who);
   }
