@@ -92,6 +92,15 @@ function(ddp_find_libtorch)
     endif()
   endif()
   set(DDP_HAVE_LIBTORCH ON PARENT_SCOPE)
+  # The libtorch programs link the compiled library where it is built (as an application does,
+  # CMakeLists.txt), unless libtorch uses the old std::string ABI, which the library was not built with.
+  get_target_property(torch_options ${torch_target} INTERFACE_COMPILE_OPTIONS)
+  get_target_property(torch_definitions ddp_libtorch INTERFACE_COMPILE_DEFINITIONS)
+  if("${torch_options};${torch_definitions}" MATCHES "_GLIBCXX_USE_CXX11_ABI=0")
+    set(DDP_LIBTORCH_APPLICATION_LIBRARY ddp::ddp PARENT_SCOPE)
+  else()
+    set(DDP_LIBTORCH_APPLICATION_LIBRARY ${DDP_APPLICATION_LIBRARY} PARENT_SCOPE)
+  endif()
   message(STATUS "ddp: libtorch found (${how})")
 endfunction()
 
